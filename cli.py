@@ -1,0 +1,168 @@
+"""The `llmc` command line: parses options and calls the public Python API, nothing more."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from llmc.errors import LlmcError
+
+
+class _Group(click.Group):
+    """Turns bad-input errors into one line on stderr and exit status 2.
+
+    ValueError covers LlmcError and the models' own validation; OSError covers unreadable or
+    unwritable paths.
+    """
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (ValueError, OSError) as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            click.echo(f"llmc: error: {message}", err=True)
+            sys.exit(2)
+
+
+def _progress(message: str) -> None:
+    click.echo(f"llmc: {message}", err=True)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="llmc")
+def main():
+    """Compile decoder language models into engines and run them."""
+
+
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="ONNX file to write.")
+@click.option("--no-check", is_flag=True, help="Skip the onnxruntime-vs-PyTorch parity check.")
+def export(model, output, no_check):
+    """Export MODEL (a built-in name or a Hugging Face checkpoint folder) to ONNX."""
+    from llmc.compiler.export import export as export_model
+
+    check = export_model(model, output, check=not no_check, progress=_progress)
+    click.echo(f"wrote {output}")
+    if check is not None:
+        click.echo(f"parity vs PyTorch: max abs diff {check.max_abs:.2e} (prefill logits "
+                   f"{check.prefill_logits:.2e}, decode logits {check.decode_logits:.2e}, "
+                   f"present {max(check.prefill_present, check.decode_present):.2e})")
+
+
+@main.command(name="compile")
+@click.argument("onnx_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Engine file to write.")
+@click.option("--backend", default="onnxruntime", show_default=True, help="Runtime the engine targets.")
+@click.option("--tokenizer", type=click.Path(), help="tokenizer.json or its folder (default: embedded or beside the ONNX file).")
+def compile_command(onnx_file, output, backend, tokenizer):
+    """Compile a decoder ONNX_FILE into one engine file."""
+    from llmc.compiler.build import compile_model
+
+    manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer)
+    g = manifest["geometry"]
+    click.echo(f"wrote {output}: {manifest['backend']}, {manifest['dtype']}, {g['num_layers']} layers, "
+               f"vocab {g['vocab_size']}, {g['max_positions']} positions")
+
+
+@main.command()
+@click.argument("engine", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect(engine, as_json):
+    """Show what is inside an ENGINE file."""
+    from llmc.compiler.engine_file import read_manifest
+
+    manifest = read_manifest(engine)
+    if as_json:
+        click.echo(json.dumps(manifest, indent=2))
+        return
+    g = manifest.get("geometry", {})
+    lines = [f"engine        {engine} (format {manifest['format_version']}, llmc {manifest.get('llmc_version')})",
+             f"backend       {manifest.get('backend')}   dtype {manifest.get('dtype')}",
+             f"geometry      {g.get('num_layers')} layers, {g.get('num_heads')} heads, "
+             f"{g.get('num_kv_heads')} kv heads, head dim {g.get('head_dim')}, "
+             f"vocab {g.get('vocab_size')}, {g.get('max_positions')} positions",
+             f"source        {manifest['source']['file']} ({manifest['source']['nodes']} nodes, "
+             f"sha256 {manifest['source']['sha256'][:16]}…)",
+             f"build options {json.dumps(manifest.get('build_options'))}"]
+    lines += [f"section       {s['name']}: {s['length']:,} bytes" for s in manifest["sections"]]
+    click.echo("\n".join(lines))
+
+
+@main.command()
+@click.argument("engine", type=click.Path(dir_okay=False))
+@click.option("--prompt", "prompts", multiple=True, help="A prompt; repeat for several.")
+@click.option("--prompts-file", type=click.Path(dir_okay=False),
+              help="Prompts, one per line, or JSONL objects with a 'prompt' field.")
+@click.option("--max-new-tokens", default=32, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 disables.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--seed", type=int, help="Seed for sampling (per request).")
+@click.option("--stream", is_flag=True, help="Print tokens as they are generated.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per completion.")
+def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, stream, as_json):
+    """Generate completions with an ENGINE file."""
+    from llmc.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed)
+    prompts = list(prompts) + (_read_prompts(Path(prompts_file)) if prompts_file else [])
+    if not prompts:
+        raise LlmcError("--prompt: give at least one prompt (or --prompts-file)")
+    llm = LLM(engine)
+    for index, prompt in enumerate(prompts):
+        llm.encode(prompt, index)  # reject a bad prompt before generating for any
+    if stream:
+        for prompt in prompts:
+            _stream_one(llm, prompt, params, as_json)
+        return
+    for completion in llm.generate(prompts, params):
+        if as_json:
+            click.echo(json.dumps({"prompt": completion.prompt, "text": completion.text,
+                                   "token_ids": completion.token_ids,
+                                   "prompt_token_ids": completion.prompt_token_ids,
+                                   "finish_reason": completion.finish_reason}))
+        else:
+            click.echo(completion.prompt + completion.text)
+
+
+def _stream_one(llm, prompt: str, params, as_json: bool) -> None:
+    if not as_json:
+        click.echo(prompt, nl=False)
+    for chunk in llm.stream(prompt, params):
+        if as_json:
+            click.echo(json.dumps({"prompt": prompt, "token_id": chunk.token_id, "text": chunk.text,
+                                   "finish_reason": chunk.finish_reason}))
+        else:
+            click.echo(chunk.text, nl=False)
+            sys.stdout.flush()
+    if not as_json:
+        click.echo()
+
+
+def _read_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise LlmcError(f"{path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise LlmcError(f"{path}: not UTF-8 text") from None
+    if path.suffix != ".jsonl":
+        return [line for line in lines if line.strip()]
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise LlmcError(f"{path}:{number}: not valid JSON") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise LlmcError(f"{path}:{number}: expected an object with a string 'prompt'")
+        prompts.append(record["prompt"])
+    return prompts

@@ -1,0 +1,86 @@
+"""`llmc compile`: validate a decoder ONNX graph and package it as one engine file.
+
+Stages: load → validate (onnx.checker, strict shape inference) → recognize the decoder interface
+and geometry → build the backend payload → write the engine file atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+import llmc
+from llmc.compiler.decoder_interface import recognize_decoder
+from llmc.compiler.engine_file import write_engine
+from llmc.compiler.onnx_io import load_onnx
+from llmc.errors import LlmcError
+from llmc.models.tokenizer import Tokenizer
+
+BACKENDS = ("onnxruntime",)
+TOKENIZER_METADATA_KEY = "llmc.tokenizer"
+
+
+def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
+                  backend: str = "onnxruntime",
+                  tokenizer: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Compile a decoder-with-past ONNX file into an engine file; returns the engine's manifest.
+
+    Args:
+        onnx_path: the decoder graph (from `llmc export`, Optimum or onnxruntime-genai).
+        output: the engine file to write.
+        backend: the runtime that will execute the engine; one of `BACKENDS`.
+        tokenizer: a tokenizer.json file or a folder holding one; by default the tokenizer
+            embedded by `llmc export`, else tokenizer.json beside the ONNX file.
+    """
+    onnx_path = Path(onnx_path)
+    if backend not in BACKENDS:
+        raise LlmcError(f"--backend: unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    model = load_onnx(onnx_path)
+    _validate(model, onnx_path)
+    interface = recognize_decoder(model, onnx_path)
+    tok = _find_tokenizer(model, onnx_path, tokenizer)
+    if tok.vocab_size > interface.geometry.vocab_size:
+        raise LlmcError(f"tokenizer: {tok.vocab_size} tokens do not fit the model's vocabulary of "
+                        f"{interface.geometry.vocab_size}")
+
+    payload = model.SerializeToString()
+    manifest = {
+        "llmc_version": llmc.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "backend": backend,
+        **interface.to_dict(),
+        "source": {"file": onnx_path.name, "sha256": hashlib.sha256(payload).hexdigest(),
+                   "nodes": len(model.graph.node)},
+        "build_options": {"backend": backend, "passes": []},
+    }
+    write_engine(output, manifest, {"model.onnx": payload, "tokenizer.json": tok.to_json().encode()})
+    return manifest
+
+
+def _validate(model: onnx.ModelProto, source: Path) -> None:
+    try:
+        onnx.checker.check_model(model, full_check=False)
+        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    except Exception as exc:  # checker and inference raise several types; all mean "invalid graph"
+        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise LlmcError(f"{source}: invalid ONNX graph: {message}") from None
+
+
+def _find_tokenizer(model: onnx.ModelProto, source: Path, explicit: str | os.PathLike | None) -> Tokenizer:
+    if explicit is not None:
+        path = Path(explicit)
+        folder = path if path.is_dir() else path.parent
+        if not (folder / "tokenizer.json").is_file():
+            raise LlmcError(f"--tokenizer: no tokenizer.json at {path}")
+        return Tokenizer.from_folder(folder)
+    for prop in model.metadata_props:
+        if prop.key == TOKENIZER_METADATA_KEY:
+            return Tokenizer.from_json(prop.value)
+    if (source.parent / "tokenizer.json").is_file():
+        return Tokenizer.from_folder(source.parent)
+    raise LlmcError(f"{source}: no tokenizer embedded and no tokenizer.json beside it; pass --tokenizer")

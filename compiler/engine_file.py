@@ -1,0 +1,137 @@
+"""The engine file: one self-describing file holding a manifest and named binary sections.
+
+Layout (little-endian)::
+
+    b"LLMCENG\\0" | format version: u32 | manifest length: u64 | manifest (UTF-8 JSON) | sections
+
+Each section starts at a 64-byte aligned offset (relative to the end of the manifest) recorded
+in the manifest together with its length and SHA-256, so a truncated or corrupted file is caught
+on load rather than producing wrong tokens. The manifest also records what the engine is: the
+backend, the model geometry, the dtype, a hash of the source graph and the build options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import LlmcError
+
+MAGIC = b"LLMCENG\0"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sIQ")
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class EngineFile:
+    """An engine loaded from disk: its manifest and its sections as bytes-like views."""
+
+    path: Path
+    manifest: dict[str, Any]
+    sections: dict[str, memoryview]
+
+
+def write_engine(path: str | os.PathLike, manifest: dict[str, Any], sections: dict[str, bytes]) -> None:
+    """Write an engine file atomically (temporary file, then rename).
+
+    Args:
+        path: destination file.
+        manifest: JSON-serializable description; a `sections` table and `format_version` are added.
+        sections: named payloads, e.g. the ONNX model and the tokenizer.
+    """
+    path = Path(path)
+    table, offset = [], 0
+    for name, data in sections.items():
+        offset = _aligned(offset)
+        table.append({"name": name, "offset": offset, "length": len(data),
+                      "sha256": hashlib.sha256(data).hexdigest()})
+        offset += len(data)
+    manifest = {"format_version": FORMAT_VERSION, **manifest, "sections": table}
+    manifest_bytes = json.dumps(manifest, indent=1).encode()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(_HEADER.pack(MAGIC, FORMAT_VERSION, len(manifest_bytes)))
+            out.write(manifest_bytes)
+            start = out.tell()
+            for entry, data in zip(table, sections.values()):
+                out.write(b"\0" * (start + entry["offset"] - out.tell()))
+                out.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check an engine's header and manifest without loading its sections."""
+    with open(_existing(path), "rb") as f:
+        manifest, _ = _read_header(Path(path), f.read(_HEADER.size), f)
+    return manifest
+
+
+def read_engine(path: str | os.PathLike, *, verify: bool = True) -> EngineFile:
+    """Load an engine file, memory-mapped; checks every section's length and checksum.
+
+    Args:
+        path: the engine file.
+        verify: compare each section's SHA-256 with the manifest (catches corruption).
+    """
+    path = _existing(path)
+    with open(path, "rb") as f:
+        manifest, data_start = _read_header(path, f.read(_HEADER.size), f)
+        size = os.fstat(f.fileno()).st_size
+        view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
+    sections = {}
+    for entry in manifest["sections"]:
+        begin = data_start + entry["offset"]
+        end = begin + entry["length"]
+        if end > size:
+            raise LlmcError(f"{path}: truncated engine file (section '{entry['name']}' needs "
+                            f"{end} bytes, file has {size})")
+        data = view[begin:end]
+        if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise LlmcError(f"{path}: corrupted engine file (checksum mismatch in section "
+                            f"'{entry['name']}')")
+        sections[entry["name"]] = data
+    return EngineFile(path, manifest, sections)
+
+
+def _read_header(path: Path, header: bytes, f) -> tuple[dict[str, Any], int]:
+    if len(header) < _HEADER.size or not header.startswith(MAGIC):
+        raise LlmcError(f"{path}: not an llmc engine file (bad magic bytes)")
+    _, version, manifest_length = _HEADER.unpack(header)
+    if version > FORMAT_VERSION:
+        raise LlmcError(f"{path}: engine format version {version} is newer than this llmc "
+                        f"supports ({FORMAT_VERSION}); rebuild it or upgrade llmc")
+    raw = f.read(manifest_length)
+    if len(raw) < manifest_length:
+        raise LlmcError(f"{path}: truncated engine file (manifest incomplete)")
+    try:
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise LlmcError(f"{path}: corrupted engine file (manifest is not valid JSON)") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("sections"), list):
+        raise LlmcError(f"{path}: corrupted engine file (manifest has no section table)")
+    return manifest, _HEADER.size + manifest_length
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise LlmcError(f"{path}: no such file")
+    return path
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN

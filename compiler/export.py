@@ -1,0 +1,193 @@
+"""`llmc export`: PyTorch decoder → ONNX with the standard decoder-with-past interface.
+
+The graph takes ``input_ids``, ``attention_mask``, ``position_ids`` and
+``past_key_values.{i}.key|value`` and returns ``logits`` and ``present.{i}.key|value``, with
+batch, sequence and past length dynamic — the interface Optimum and onnxruntime-genai write, so
+`llmc compile` treats their files and ours alike. The tokenizer and the geometry the interface
+cannot show travel in the graph's metadata. After writing, the graph is run with onnxruntime
+against PyTorch on seeded inputs (a prefill, then a decode step with past).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import torch
+
+from llmc.compiler.build import TOKENIZER_METADATA_KEY
+from llmc.compiler.decoder_interface import Geometry, geometry_metadata
+from llmc.compiler.onnx_io import save_onnx
+from llmc.models import LoadedModel, load_model
+
+# Example sizes for tracing: 0 and 1 would be specialized by torch.export, so use larger ones.
+_TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 3, 4
+
+
+@dataclass(frozen=True)
+class ParityCheck:
+    """Max abs difference between onnxruntime and PyTorch, per step of the seeded check."""
+
+    prefill_logits: float
+    prefill_present: float
+    decode_logits: float
+    decode_present: float
+
+    @property
+    def max_abs(self) -> float:
+        return max(self.prefill_logits, self.prefill_present, self.decode_logits, self.decode_present)
+
+
+class _FlatDecoder(torch.nn.Module):
+    """Adapts the models' list-of-pairs cache to the flat tensors an ONNX interface needs."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, *past_flat):
+        past = list(zip(past_flat[0::2], past_flat[1::2]))
+        logits, presents = self.model(input_ids, attention_mask, position_ids, past)
+        return (logits, *[t for pair in presents for t in pair])
+
+
+def model_geometry(model: torch.nn.Module) -> Geometry:
+    """The geometry of a model from `llmc.models`."""
+    return Geometry(num_layers=model.num_layers, num_heads=model.num_heads,
+                    num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                    vocab_size=model.vocab_size, max_positions=model.max_positions)
+
+
+def io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    """Input and output names of the decoder-with-past interface."""
+    cache = [(i, part) for i in range(num_layers) for part in ("key", "value")]
+    inputs = ["input_ids", "attention_mask", "position_ids"]
+    inputs += [f"past_key_values.{i}.{part}" for i, part in cache]
+    outputs = ["logits"] + [f"present.{i}.{part}" for i, part in cache]
+    return inputs, outputs
+
+
+def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool = True,
+           progress: Callable[[str], None] = lambda message: None) -> ParityCheck | None:
+    """Export a model to an ONNX decoder with past, then check it against PyTorch.
+
+    Args:
+        model: a built-in model name, a Hugging Face checkpoint folder, or a loaded model.
+        output: the .onnx file to write (weights go to `<output>.data` past 2 GB).
+        check: run the seeded onnxruntime-vs-PyTorch parity check after writing.
+        progress: called with a short line as each stage starts.
+    """
+    loaded = load_model(str(model)) if not isinstance(model, LoadedModel) else model
+    geometry = model_geometry(loaded.model)
+    progress(f"exporting {loaded.name}: {geometry.num_layers} layers, {geometry.num_heads} heads, "
+             f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}")
+    proto = _to_onnx(loaded.model, geometry)
+    metadata = {**geometry_metadata(geometry), TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(),
+                "llmc.source_model": loaded.name}
+    onnx.helper.set_model_props(proto, metadata)
+    save_onnx(proto, output)
+    if not check:
+        return None
+    progress("checking onnxruntime against PyTorch on seeded inputs")
+    return check_parity(loaded.model, output)
+
+
+def _to_onnx(model: torch.nn.Module, geometry: Geometry) -> onnx.ModelProto:
+    batch = torch.export.Dim("batch", min=1)
+    seq = torch.export.Dim("sequence", min=1)
+    past = torch.export.Dim("past_sequence", min=0)
+    inputs = sample_inputs(geometry, _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST, seed=0)
+    # The mask spans past + new tokens; torch.export infers that relation from the model's code.
+    mask_len = torch.export.Dim.DYNAMIC
+    shapes = [{0: batch, 1: seq}, {0: batch, 1: mask_len}, {0: batch, 1: seq}]
+    shapes += [{0: batch, 2: past}] * (2 * geometry.num_layers)
+    input_names, output_names = io_names(geometry.num_layers)
+    with warnings.catch_warnings(), _quiet_exporter():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(_FlatDecoder(model).eval(), tuple(inputs.values()),
+                                    dynamo=True, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=tuple(shapes),
+                                    optimize=True, verbose=False)
+    proto = program.model_proto
+    _name_dynamic_dims(proto)
+    return proto
+
+
+def sample_inputs(geometry: Geometry, batch: int, seq: int, past: int, *, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded decoder inputs: random tokens, a full mask, positions after `past` cached tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {
+        "input_ids": torch.randint(0, geometry.vocab_size, (batch, seq), generator=gen),
+        "attention_mask": torch.ones(batch, past + seq, dtype=torch.int64),
+        "position_ids": torch.arange(past, past + seq).expand(batch, seq).contiguous(),
+    }
+    cache_shape = (batch, geometry.num_kv_heads, past, geometry.head_dim)
+    for i in range(geometry.num_layers):
+        for part in ("key", "value"):
+            inputs[f"past_key_values.{i}.{part}"] = torch.randn(cache_shape, generator=gen)
+    return inputs
+
+
+def check_parity(model: torch.nn.Module, onnx_path: str | os.PathLike, *, batch: int = 2,
+                 seq: int = 5) -> ParityCheck:
+    """Run a prefill and a decode step in onnxruntime and PyTorch; return the max abs differences."""
+    import onnxruntime as ort
+
+    geometry = model_geometry(model)
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    prefill = sample_inputs(geometry, batch, seq, past=0, seed=1)
+    diffs_prefill, presents = _compare_step(model, session, prefill)
+    decode = sample_inputs(geometry, batch, 1, past=seq, seed=2)
+    for name, value in zip(io_names(geometry.num_layers)[0][3:], presents):
+        decode[name] = torch.from_numpy(value)
+    diffs_decode, _ = _compare_step(model, session, decode)
+    return ParityCheck(*diffs_prefill, *diffs_decode)
+
+
+def _compare_step(model, session, inputs: dict[str, torch.Tensor]):
+    feeds = {name: tensor.numpy() for name, tensor in inputs.items()}
+    ort_out = session.run(None, feeds)
+    with torch.no_grad():
+        torch_out = _FlatDecoder(model)(*inputs.values())
+    diffs = [float(np.max(np.abs(o - t.numpy()), initial=0.0)) for o, t in zip(ort_out, torch_out)]
+    return (diffs[0], max(diffs[1:])), ort_out[1:]
+
+
+def _name_dynamic_dims(proto: onnx.ModelProto) -> None:
+    """Give the symbolic dims readable names (the exporter writes s0, s1 + s2, ...)."""
+    names = {"input_ids": {0: "batch", 1: "sequence"},
+             "attention_mask": {0: "batch", 1: "total_sequence"},
+             "logits": {0: "batch", 1: "sequence"}}
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        axes = names.get(value.name)
+        if axes is None and value.name.startswith(("past_key_values.", "present.")):
+            axes = {0: "batch", 2: "past_sequence" if value.name.startswith("past") else "total_sequence"}
+        for axis, name in (axes or {}).items():
+            dim = value.type.tensor_type.shape.dim[axis]
+            if not dim.HasField("dim_value"):
+                dim.dim_param = name
+    if "position_ids" in {v.name for v in proto.graph.input}:
+        pos = next(v for v in proto.graph.input if v.name == "position_ids")
+        for axis, name in {0: "batch", 1: "sequence"}.items():
+            pos.type.tensor_type.shape.dim[axis].dim_param = name
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """The dynamo exporter prints banners for every stage and logs at INFO; keep stdout clean."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)

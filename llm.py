@@ -1,0 +1,112 @@
+"""The Python API for running an engine: `LLM("engine.plan").generate(prompts, SamplingParams())`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from llmc.compiler.engine_file import read_engine
+from llmc.errors import LlmcError
+from llmc.models.tokenizer import Tokenizer
+from llmc.runtime.backends.onnxruntime import OnnxRuntimeDecoder
+from llmc.runtime.contiguous_generation import generate_tokens
+from llmc.runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One finished request."""
+
+    prompt: str
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """A piece of a streamed completion: the new token and the text it completes."""
+
+    token_id: int
+    text: str
+    finish_reason: str | None
+
+
+class LLM:
+    """An engine loaded for generation.
+
+    Args:
+        engine_path: a file written by `llmc compile`.
+        threads: CPU threads for the backend; None uses every core.
+    """
+
+    def __init__(self, engine_path: str | os.PathLike, threads: int | None = None):
+        engine = read_engine(engine_path)
+        if engine.manifest.get("backend") != "onnxruntime":
+            raise LlmcError(f"{engine_path}: backend '{engine.manifest.get('backend')}' cannot run "
+                            "here; this build of llmc runs onnxruntime engines")
+        self.manifest = engine.manifest
+        self.tokenizer = Tokenizer.from_json(bytes(engine.sections["tokenizer.json"]).decode())
+        self._decoder = OnnxRuntimeDecoder(engine, threads)
+
+    def generate(self, prompts: str | Sequence[str],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Complete every prompt; returns completions in prompt order.
+
+        Args:
+            prompts: one prompt or several, run together as one batch.
+            params: one setting for all prompts, or one per prompt; defaults to greedy, 32 tokens.
+        """
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            return []
+        params = self._params_per_prompt(params, len(prompts))
+        ids = [self.encode(p, i) for i, p in enumerate(prompts)]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        reasons = [""] * len(prompts)
+        for event in generate_tokens(self._decoder, ids, params, self.tokenizer.eos_id):
+            outputs[event.index].append(event.token_id)
+            reasons[event.index] = event.finish_reason or ""
+        return [Completion(prompt, self.tokenizer.decode(out), out, prompt_ids, reason)
+                for prompt, out, prompt_ids, reason in zip(prompts, outputs, ids, reasons)]
+
+    def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Generate for one prompt, yielding each token with the text it completes.
+
+        Text is held back while it ends inside a multi-byte character, so every chunk is valid.
+        """
+        params = self._params_per_prompt(params, 1)
+        tokens: list[int] = []
+        shown = ""
+        for event in generate_tokens(self._decoder, [self.encode(prompt, 0)], params,
+                                     self.tokenizer.eos_id):
+            tokens.append(event.token_id)
+            text = self.tokenizer.decode(tokens)
+            if text.endswith("\ufffd") and event.finish_reason is None:
+                yield StreamChunk(event.token_id, "", None)
+                continue
+            yield StreamChunk(event.token_id, text[len(shown):], event.finish_reason)
+            shown = text
+
+    def encode(self, prompt: str, index: int = 0) -> list[int]:
+        """Tokenize a prompt, checking it fits the model; `index` names it in errors."""
+        ids = self.tokenizer.encode(prompt)
+        limit = self.manifest["geometry"]["max_positions"]
+        if not ids:
+            raise LlmcError(f"prompt {index}: empty after tokenization")
+        if len(ids) >= limit:
+            raise LlmcError(f"prompt {index}: {len(ids)} tokens leave no room in the model's "
+                            f"{limit} positions")
+        return ids
+
+    @staticmethod
+    def _params_per_prompt(params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise LlmcError(f"got {len(params)} sampling settings for {count} prompts")
+        return list(params)

@@ -1,0 +1,47 @@
+"""Per-request sampling settings, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmc.errors import LlmcError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Args:
+        max_new_tokens: tokens to generate at most (≥ 1).
+        temperature: 0 picks the most likely token (greedy); larger values flatten the distribution.
+        top_k: sample only among the k most likely tokens; 0 disables.
+        top_p: sample only from the smallest set of tokens whose probability reaches p (0 < p ≤ 1).
+        seed: makes sampling reproducible per request; None draws fresh entropy.
+        stop_token_ids: extra token ids that end the completion (the tokenizer's EOS always does).
+        ignore_eos: keep generating past EOS (benchmarks that need fixed output lengths).
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise LlmcError(f"max_new_tokens must be an integer ≥ 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise LlmcError(f"temperature must be ≥ 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise LlmcError(f"top_k must be an integer ≥ 0 (0 disables it), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise LlmcError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise LlmcError(f"seed must be a non-negative integer, got {self.seed!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
