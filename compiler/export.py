@@ -107,14 +107,15 @@ def _to_onnx(model: torch.nn.Module, geometry: Geometry) -> onnx.ModelProto:
     inputs = sample_inputs(geometry, _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST, seed=0)
     # The mask spans past + new tokens; torch.export infers that relation from the model's code.
     mask_len = torch.export.Dim.DYNAMIC
-    shapes = [{0: batch, 1: seq}, {0: batch, 1: mask_len}, {0: batch, 1: seq}]
-    shapes += [{0: batch, 2: past}] * (2 * geometry.num_layers)
+    # The cache tensors arrive through *past_flat, which torch.export sees as one tuple argument.
+    cache_shapes = tuple({0: batch, 2: past} for _ in range(2 * geometry.num_layers))
+    shapes = ({0: batch, 1: seq}, {0: batch, 1: mask_len}, {0: batch, 1: seq}, cache_shapes)
     input_names, output_names = io_names(geometry.num_layers)
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(_FlatDecoder(model).eval(), tuple(inputs.values()),
                                     dynamo=True, input_names=input_names,
-                                    output_names=output_names, dynamic_shapes=tuple(shapes),
+                                    output_names=output_names, dynamic_shapes=shapes,
                                     optimize=True, verbose=False)
     proto = program.model_proto
     _name_dynamic_dims(proto)

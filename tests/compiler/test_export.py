@@ -1,0 +1,76 @@
+"""Export parity: the ONNX graph equals PyTorch at several (batch, seq, past) shapes."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from llmc.compiler.decoder_interface import recognize_decoder
+from llmc.compiler.export import _FlatDecoder, export, io_names, model_geometry, sample_inputs
+from llmc.models import load_model
+
+TOLERANCE = 1e-4  # fp32
+SHAPES = [(1, 1, 0), (2, 7, 0), (3, 1, 9), (2, 4, 5), (1, 16, 3)]  # (batch, seq, past)
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
+def exported(request, tmp_path_factory):
+    loaded = load_model(request.param)
+    path = tmp_path_factory.mktemp(request.param) / "model.onnx"
+    check = export(loaded, path)
+    return loaded, path, check
+
+
+def test_parity_check_reports_small_error(exported):
+    _, _, check = exported
+    assert check.max_abs < TOLERANCE
+
+
+@pytest.mark.parametrize("batch,seq,past", SHAPES)
+def test_logits_and_presents_match_pytorch(exported, batch, seq, past):
+    loaded, path, _ = exported
+    geometry = model_geometry(loaded.model)
+    inputs = sample_inputs(geometry, batch, seq, past, seed=batch * 100 + seq * 10 + past)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {name: t.numpy() for name, t in inputs.items()})
+    with torch.no_grad():
+        want = [t.numpy() for t in _FlatDecoder(loaded.model)(*inputs.values())]
+    assert got[0].shape == (batch, seq, geometry.vocab_size)
+    assert got[1].shape == (batch, geometry.num_kv_heads, past + seq, geometry.head_dim)
+    for name, g, w in zip(io_names(geometry.num_layers)[1], got, want):
+        np.testing.assert_allclose(g, w, atol=TOLERANCE, rtol=0, err_msg=name)
+
+
+def test_left_padded_rows_match_unpadded(exported):
+    loaded, path, _ = exported
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    geometry = model_geometry(loaded.model)
+    full = sample_inputs(geometry, 1, 6, 0, seed=3)
+    padded = {k: v.clone() for k, v in full.items()}
+    padded["input_ids"] = torch.cat([torch.zeros(1, 2, dtype=torch.int64), full["input_ids"]], 1)
+    padded["attention_mask"] = torch.tensor([[0, 0] + [1] * 6])
+    padded["position_ids"] = torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5]])
+    for name in io_names(geometry.num_layers)[0][3:]:
+        padded[name] = full[name]
+    want = session.run(["logits"], {k: v.numpy() for k, v in full.items()})[0]
+    got = session.run(["logits"], {k: v.numpy() for k, v in padded.items()})[0]
+    np.testing.assert_allclose(got[:, 2:], want, atol=TOLERANCE, rtol=0)
+    assert np.isfinite(got).all()
+
+
+def test_interface_names_dims_and_metadata(exported):
+    loaded, path, _ = exported
+    model = onnx.load(str(path))
+    geometry = model_geometry(loaded.model)
+    inputs, outputs = io_names(geometry.num_layers)
+    assert [i.name for i in model.graph.input] == inputs
+    assert [o.name for o in model.graph.output] == outputs
+    past_dims = model.graph.input[3].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in past_dims] == [
+        "batch", geometry.num_kv_heads, "past_sequence", geometry.head_dim]
+    interface = recognize_decoder(model, path)
+    assert interface.geometry == geometry
+    assert interface.dtype == "float32" and interface.has_position_ids
+    metadata = {p.key: p.value for p in model.metadata_props}
+    assert loaded.tokenizer.to_json() == metadata["llmc.tokenizer"]
