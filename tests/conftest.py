@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny-llama exported and compiled once per test session.
+
+pytest runs with --import-mode=importlib, which does not put test folders on sys.path; this
+file adds `tests/` so that fixture factories (`hf_checkpoints`) import by plain name.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = str(Path(__file__).resolve().parent)
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_onnx(tmp_path_factory) -> Path:
+    """tiny-llama exported with `llmc.export` (parity checked); treat as read-only."""
+    from llmc.compiler.export import export
+
+    path = tmp_path_factory.mktemp("tiny-llama") / "model.onnx"
+    check = export("tiny-llama", path)
+    assert check.max_abs < 1e-4
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_engine(tiny_llama_onnx) -> Path:
+    """tiny-llama compiled into an engine file; treat as read-only."""
+    from llmc.compiler.build import compile_model
+
+    path = tiny_llama_onnx.parent / "engine.plan"
+    compile_model(tiny_llama_onnx, path)
+    return path

@@ -1,0 +1,188 @@
+"""The command line end to end on tiny-llama, and every bad input it must refuse cleanly."""
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli import main
+
+
+def llmc(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_refused(result, message):
+    """Exit 2, one error line on stderr naming the fault (after any progress lines), no traceback."""
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("llmc: ") or
+              line.startswith("llmc: error: ")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+def test_inspect_shows_manifest(tiny_llama_engine):
+    manifest = json.loads(llmc("inspect", tiny_llama_engine, "--json").stdout)
+    assert manifest["backend"] == "onnxruntime" and manifest["format_version"] == 1
+    assert manifest["geometry"] == {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
+                                    "vocab_size": 258, "max_positions": 512}
+    assert len(manifest["source"]["sha256"]) == 64
+    text = llmc("inspect", tiny_llama_engine).stdout
+    assert "4 layers, 4 heads, 2 kv heads" in text and "section       model.onnx" in text
+
+
+def test_run_json_matches_python_api(tiny_llama_engine):
+    import llmc as api
+
+    result = llmc("run", tiny_llama_engine, "--prompt", "def fibonacci(", "--prompt", "x = 1",
+                  "--max-new-tokens", 12, "--json")
+    assert result.exit_code == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    expected = api.LLM(tiny_llama_engine).generate(["def fibonacci(", "x = 1"],
+                                                   api.SamplingParams(max_new_tokens=12))
+    assert [r["token_ids"] for r in records] == [c.token_ids for c in expected]
+    assert all(len(r["token_ids"]) == 12 and r["finish_reason"] == "length" for r in records)
+
+
+def test_stream_json_gives_the_same_tokens(tiny_llama_engine):
+    plain = json.loads(llmc("run", tiny_llama_engine, "--prompt", "abc", "--max-new-tokens", 8,
+                            "--json").stdout)
+    streamed = [json.loads(line) for line in
+                llmc("run", tiny_llama_engine, "--prompt", "abc", "--max-new-tokens", 8, "--json",
+                     "--stream").stdout.splitlines()]
+    assert [r["token_id"] for r in streamed] == plain["token_ids"]
+    assert "".join(r["text"] for r in streamed) == plain["text"]
+    assert streamed[-1]["finish_reason"] == "length"
+
+
+def test_prompts_file_text_and_jsonl(tiny_llama_engine, tmp_path):
+    (tmp_path / "p.txt").write_text("first\n\nsecond\n")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "first"}\n{"prompt": "second"}\n')
+    outs = [llmc("run", tiny_llama_engine, "--prompts-file", tmp_path / name, "--json",
+                 "--max-new-tokens", 4).stdout for name in ("p.txt", "p.jsonl")]
+    assert outs[0] == outs[1]
+    assert [json.loads(line)["prompt"] for line in outs[0].splitlines()] == ["first", "second"]
+
+
+def test_console_script_runs_end_to_end(tiny_llama_onnx, tmp_path):
+    engine = tmp_path / "e.plan"
+    done = subprocess.run(["llmc", "compile", tiny_llama_onnx, "-o", engine], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run(["llmc", "run", engine, "--prompt", "hi", "--max-new-tokens", "3", "--json"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and len(json.loads(done.stdout)["token_ids"]) == 3
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+def test_export_unknown_model(tmp_path):
+    result = llmc("export", "no-such-model", "-o", tmp_path / "m.onnx")
+    assert_refused(result, "no-such-model")
+    assert "tiny-llama" in result.stderr  # lists the valid names
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_missing_file(tmp_path):
+    assert_refused(llmc("compile", tmp_path / "nope.onnx", "-o", tmp_path / "e.plan"), "nope.onnx: no such file")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_file_that_is_not_onnx(tmp_path):
+    (tmp_path / "junk.onnx").write_bytes(b"\x00\xffnot a protobuf" * 10)
+    assert_refused(llmc("compile", tmp_path / "junk.onnx", "-o", tmp_path / "e.plan"),
+                   "junk.onnx: not a readable ONNX model")
+    assert not (tmp_path / "e.plan").exists()
+
+
+def test_compile_graph_that_is_not_a_decoder(tmp_path):
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    onnx.save(onnx.helper.make_model(graph), tmp_path / "relu.onnx")
+    assert_refused(llmc("compile", tmp_path / "relu.onnx", "-o", tmp_path / "e.plan"),
+                   "relu.onnx: not a decoder with past: no input 'input_ids'")
+    assert not (tmp_path / "e.plan").exists()
+
+
+def test_compile_decoder_without_geometry(tiny_llama_onnx, tmp_path):
+    model = onnx.load(tiny_llama_onnx)
+    del model.metadata_props[:]
+    onnx.save(model, tmp_path / "bare.onnx")
+    assert_refused(llmc("compile", tmp_path / "bare.onnx", "-o", tmp_path / "e.plan"),
+                   "cannot tell the model's num_heads and max_positions")
+    assert not (tmp_path / "e.plan").exists()
+
+
+def test_compile_unknown_backend(tiny_llama_onnx, tmp_path):
+    assert_refused(llmc("compile", tiny_llama_onnx, "-o", tmp_path / "e.plan", "--backend", "cuda"),
+                   "--backend: unknown backend 'cuda'")
+
+
+@pytest.fixture
+def engine_copy(tiny_llama_engine, tmp_path):
+    return shutil.copy(tiny_llama_engine, tmp_path / "engine.plan")
+
+
+def test_run_truncated_engine(engine_copy):
+    data = open(engine_copy, "rb").read()
+    open(engine_copy, "wb").write(data[: len(data) // 2])
+    assert_refused(llmc("run", engine_copy, "--prompt", "a"), "engine.plan: truncated engine file")
+
+
+def test_run_corrupted_engine(engine_copy):
+    data = bytearray(open(engine_copy, "rb").read())
+    data[len(data) // 2] ^= 0x5A
+    open(engine_copy, "wb").write(bytes(data))
+    assert_refused(llmc("run", engine_copy, "--prompt", "a"), "engine.plan: corrupted engine file")
+
+
+def test_run_newer_engine_format(engine_copy):
+    data = bytearray(open(engine_copy, "rb").read())
+    struct.pack_into("<I", data, 8, 99)
+    open(engine_copy, "wb").write(bytes(data))
+    assert_refused(llmc("inspect", engine_copy), "engine format version 99 is newer")
+    assert_refused(llmc("run", engine_copy, "--prompt", "a"), "engine format version 99 is newer")
+
+
+def test_run_onnx_file_given_as_engine(tiny_llama_onnx):
+    assert_refused(llmc("run", tiny_llama_onnx, "--prompt", "a"), "not an llmc engine file")
+
+
+def test_run_prompt_longer_than_positions(tiny_llama_engine):
+    assert_refused(llmc("run", tiny_llama_engine, "--prompt", "ok", "--prompt", "x" * 600),
+                   "prompt 1: 601 tokens leave no room in the model's 512 positions")
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--temperature", "-1", "temperature must be ≥ 0"),
+    ("--top-p", "1.5", "top_p must be in (0, 1]"),
+    ("--top-k", "-2", "top_k must be an integer ≥ 0"),
+    ("--max-new-tokens", "0", "max_new_tokens must be an integer ≥ 1"),
+])
+def test_run_invalid_sampling_option(tiny_llama_engine, option, value, message):
+    assert_refused(llmc("run", tiny_llama_engine, "--prompt", "a", option, value), message)
+
+
+def test_run_without_prompts(tiny_llama_engine):
+    assert_refused(llmc("run", tiny_llama_engine), "--prompt: give at least one prompt")
+
+
+def test_run_bad_prompts_file(tiny_llama_engine, tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": 3}\n')
+    assert_refused(llmc("run", tiny_llama_engine, "--prompts-file", tmp_path / "bad.jsonl"),
+                   "bad.jsonl:2: expected an object with a string 'prompt'")
+
+
+def test_export_failure_leaves_no_output(tmp_path, monkeypatch):
+    import llmc.compiler.export as export_module
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export_module.onnx, "save_model", broken)
+    assert_refused(llmc("export", "tiny-llama", "-o", tmp_path / "m.onnx", "--no-check"), "disk full")
+    assert list(tmp_path.iterdir()) == []
