@@ -1,0 +1,164 @@
+"""Load a Hugging Face checkpoint folder (config.json, safetensors, tokenizer.json) into an llmc model.
+
+Weights are read with safetensors directly, so transformers is not needed at run time.
+Every tensor in the files must map to one of our parameters (buffers such as rotary
+tables and GPT-2 causal masks are skipped) and every parameter must be found, with the
+right shape; otherwise a ValueError names the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from .base import DecoderLM
+from .gpt2 import GPT2, GPT2Args
+from .llama import Llama, LlamaArgs
+from .tokenizer import Tokenizer
+
+# model_type in config.json -> (args class, model class).
+FAMILIES: dict[str, tuple[Any, type[DecoderLM]]] = {
+    "llama": (LlamaArgs, Llama),
+    "mistral": (LlamaArgs, Llama),
+    "qwen2": (LlamaArgs, Llama),
+    "gpt2": (GPT2Args, GPT2),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run (eval mode, float32) with its tokenizer.
+
+    Args:
+        model: the llmc model (a `DecoderLM`).
+        tokenizer: its tokenizer.
+        name: built-in name or checkpoint folder name.
+    """
+
+    model: torch.nn.Module
+    tokenizer: Tokenizer
+    name: str
+
+
+def load_checkpoint(folder: str | Path) -> LoadedModel:
+    """Load a Hugging Face checkpoint folder.
+
+    Args:
+        folder: holds config.json, model.safetensors (or model.safetensors.index.json
+            and its shards) and tokenizer.json.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint folder {folder} does not exist")
+    model = build_model(read_config(folder), folder / "config.json")
+    load_weights(model, folder)
+    tokenizer = Tokenizer.from_folder(folder)
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=folder.resolve().name)
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint folder.
+
+    Args:
+        folder: the checkpoint folder.
+    """
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json in {folder}")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return cfg
+
+
+def build_model(cfg: dict[str, Any], config_path: Path) -> DecoderLM:
+    """An untrained float32 model for an HF config dict, dispatching on model_type.
+
+    Args:
+        cfg: the parsed config.json.
+        config_path: where cfg came from, for error messages.
+    """
+    model_type = cfg.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
+        )
+    args_cls, model_cls = FAMILIES[model_type]
+    try:
+        args = args_cls.from_hf_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
+    return model_cls(args).float()
+
+
+def load_weights(model: DecoderLM, folder: Path) -> None:
+    """Copy the checkpoint's tensors into `model`'s parameters, checking names and shapes.
+
+    Args:
+        model: built by `build_model` for this checkpoint.
+        folder: the checkpoint folder.
+    """
+    # named_parameters() lists a tied lm_head once, under the embedding's name.
+    params = dict(model.named_parameters())
+    tied_head = getattr(model.args, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    files = weight_files(folder)
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                name = model.normalize_hf_name(hf_name)
+                if name is None or (tied_head and name == "lm_head.weight"):
+                    continue  # a buffer, or a stored copy of the tied embedding
+                if name not in params:
+                    raise ValueError(f"{file}: unexpected tensor {hf_name!r}")
+                if name in loaded:
+                    raise ValueError(f"{file}: tensor {hf_name!r} is stored more than once")
+                tensor = f.get_tensor(hf_name)
+                expected = tuple(params[name].shape)
+                if model.hf_transposed(name):
+                    expected = expected[::-1]
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(
+                        f"{file}: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(expected)}"
+                    )
+                if model.hf_transposed(name):
+                    tensor = tensor.t()
+                with torch.no_grad():
+                    params[name].copy_(tensor.to(torch.float32))
+                loaded.add(name)
+    missing = [model.hf_name(n) for n in params if n not in loaded]
+    if missing:
+        # A sharded checkpoint's tensor list is its index file.
+        where = files[0] if files[0].name == "model.safetensors" else folder / "model.safetensors.index.json"
+        raise ValueError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: model.safetensors, or the shards its index lists.
+
+    Args:
+        folder: the checkpoint folder.
+    """
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{index} has no valid weight_map") from None
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"{index}: shard {file.name} does not exist")
+    return files

@@ -1,0 +1,89 @@
+"""The Tokenizer wrapper and the built-in byte-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+
+from llmc.models import Tokenizer, byte_level_tokenizer
+
+TEXTS = [
+    "",
+    "hello world",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnew lines\r\n",
+    "héllo wörld, ça va? 日本語のテキスト 🎉👩‍👩‍👧",
+    "literal specials <s> and </s> stay text",
+    "\x00\x01\x7f control bytes",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_level_round_trip(text: str) -> None:
+    tok = byte_level_tokenizer()
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_id
+    assert len(ids) == 1 + len(text.encode("utf-8"))  # one token per byte, after BOS
+    assert tok.decode(ids) == text
+
+
+def test_byte_level_layout() -> None:
+    tok = byte_level_tokenizer()
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (258, 256, 257)
+    assert tok.encode("A")[1:] == [ord("A")]  # id == byte value
+    assert tok.decode([65, 257, 256, 66]) == "AB"  # special tokens are skipped
+
+
+def test_json_round_trip_keeps_everything() -> None:
+    tok = byte_level_tokenizer()
+    again = Tokenizer.from_json(tok.to_json())
+    assert (again.bos_id, again.eos_id, again.add_bos, again.split_special_tokens) == (256, 257, True, True)
+    for text in TEXTS:
+        assert again.encode(text) == tok.encode(text)
+        assert again.decode(again.encode(text)) == text
+    json.loads(tok.to_json())  # a plain JSON string, embeddable as-is
+
+
+def test_from_json_rejects_garbage() -> None:
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Tokenizer.from_json("{nope")
+    with pytest.raises(ValueError, match="format"):
+        Tokenizer.from_json(json.dumps({"tokenizer": {}}))
+
+
+def test_save_and_from_folder(tmp_path: Path) -> None:
+    byte_level_tokenizer().save(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
+    assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.vocab_size) == (256, 257, True, 258)
+    assert tok.decode(tok.encode(TEXTS[4])) == TEXTS[4]
+
+
+def test_from_folder_reads_ids_from_config_json(tmp_path: Path) -> None:
+    # No tokenizer_config.json: ids come from config.json; a list of eos ids gives the first.
+    byte_level_tokenizer().inner.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": [257, 10]}))
+    tok = Tokenizer.from_folder(tmp_path)
+    assert (tok.bos_id, tok.eos_id) == (256, 257)
+    assert not tok.add_bos  # neither the config nor the post-processor asks for BOS
+    assert tok.encode("hi") == [104, 105]
+
+
+def test_from_folder_detects_bos_added_by_post_processor(tmp_path: Path) -> None:
+    inner = byte_level_tokenizer().inner
+    inner.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 256)])
+    inner.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
+    tok = Tokenizer.from_folder(tmp_path)
+    assert tok.add_bos and tok.encode("a") == [256, 97]  # BOS once, not twice
+
+
+def test_from_folder_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=f"no tokenizer.json in {tmp_path}"):
+        Tokenizer.from_folder(tmp_path)
+    byte_level_tokenizer().save(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>"}))
+    with pytest.raises(ValueError, match="tokenizer_config.json.*'<bos>'"):
+        Tokenizer.from_folder(tmp_path)
