@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 from llmc.compiler.engine_file import read_engine
 from llmc.errors import LlmcError
-from llmc.models.tokenizer import Tokenizer
+from llmc.tokenizer import Tokenizer
 from llmc.runtime.backends.onnxruntime import OnnxRuntimeDecoder
 from llmc.runtime.contiguous_generation import generate_tokens
 from llmc.runtime.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_file import write_engine
 from llmc.compiler.onnx_io import load_onnx
 from llmc.errors import LlmcError
-from llmc.models.tokenizer import Tokenizer
+from llmc.tokenizer import Tokenizer
 
 BACKENDS = ("onnxruntime",)
 TOKENIZER_METADATA_KEY = "llmc.tokenizer"

@@ -6,7 +6,7 @@ Hugging Face checkpoint folder gives a `LoadedModel` (model in eval mode + token
 
 from .checkpoint import LoadedModel, load_checkpoint
 from .registry import BUILTIN_MODELS, load_model
-from .tokenizer import Tokenizer, byte_level_tokenizer
+from llmc.tokenizer import Tokenizer, byte_level_tokenizer
 
 __all__ = [
     "BUILTIN_MODELS",

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from .base import DecoderLM
 from .gpt2 import GPT2, GPT2Args
 from .llama import Llama, LlamaArgs
-from .tokenizer import Tokenizer
+from llmc.tokenizer import Tokenizer
 
 # model_type in config.json -> (args class, model class).
 FAMILIES: dict[str, tuple[Any, type[DecoderLM]]] = {

@@ -15,7 +15,7 @@ from . import gpt2, llama
 from .base import DecoderLM
 from .checkpoint import LoadedModel, load_checkpoint
 from .llama import RMSNorm
-from .tokenizer import byte_level_tokenizer
+from llmc.tokenizer import byte_level_tokenizer
 
 # name -> args; the args type picks the model class. All use the 258-token byte-level tokenizer.
 BUILTIN_MODELS: dict[str, llama.LlamaArgs | gpt2.GPT2Args] = {**llama.CONFIGS, **gpt2.CONFIGS}

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import transformers
 
-from llmc.models.tokenizer import byte_level_tokenizer
+from llmc.tokenizer import byte_level_tokenizer
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 
