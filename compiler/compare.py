@@ -1,0 +1,116 @@
+"""Numerical comparison of two graphs on the same seeded inputs (tests, `--verify`, `llmc check`).
+
+Inputs are generated from the graph's declared inputs: the decoder interface gets valid token
+ids, a full attention mask, positions after the past and random past K/V; any other input gets
+seeded random values with dynamic dims set to small sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+_BATCH, _SEQ, _PAST = 2, 5, 3
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Worst-case differences over all outputs; top-1 agreement on `logits` when present."""
+
+    max_abs: float
+    max_rel: float
+    cosine: float
+    top1_agreement: float | None
+    worst_output: str
+
+    def to_dict(self) -> dict:
+        return {"max_abs": self.max_abs, "max_rel": self.max_rel, "cosine": self.cosine,
+                "top1_agreement": self.top1_agreement, "worst_output": self.worst_output}
+
+
+def seeded_feeds(model: onnx.ModelProto, seed: int = 0, *, batch: int = _BATCH, seq: int = _SEQ,
+                 past: int = _PAST) -> dict[str, np.ndarray]:
+    """Inputs for every graph input, reproducible from `seed`."""
+    rng = np.random.default_rng(seed)
+    vocab = _logits_vocab(model)
+    feeds = {}
+    for value in model.graph.input:
+        name = value.name
+        tensor = value.type.tensor_type
+        dtype = helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        if name == "input_ids":
+            feeds[name] = rng.integers(0, vocab, (batch, seq)).astype(dtype)
+        elif name == "attention_mask":
+            feeds[name] = np.ones((batch, past + seq), dtype)
+        elif name == "position_ids":
+            feeds[name] = np.tile(np.arange(past, past + seq), (batch, 1)).astype(dtype)
+        else:
+            dims = [d.dim_value if d.HasField("dim_value") else 2 for d in tensor.shape.dim]
+            if name.startswith("past_key_values.") and len(dims) == 4:
+                dims[0], dims[2] = batch, past
+            feeds[name] = _random(rng, dims, dtype)
+    return feeds
+
+
+def run_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run `model` with onnxruntime on CPU, with its own graph optimizations off."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))
+
+
+def compare_outputs(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> Comparison:
+    """Compare outputs by name; a missing output or a shape change counts as infinite error."""
+    worst = ("", 0.0, 0.0, 1.0)
+    top1 = None
+    for name, want in reference.items():
+        got = candidate.get(name)
+        if got is None or got.shape != want.shape:
+            return Comparison(float("inf"), float("inf"), 0.0, None, name)
+        want64, got64 = want.astype(np.float64), got.astype(np.float64)
+        diff = np.abs(got64 - want64)
+        max_abs = float(diff.max(initial=0.0))
+        max_rel = float((diff / np.maximum(np.abs(want64), 1e-6)).max(initial=0.0))
+        cosine = _cosine(want64.ravel(), got64.ravel())
+        if not np.isfinite(got64).all() and np.isfinite(want64).all():
+            max_abs = max_rel = float("inf")
+        if max_abs > worst[1] or (max_abs == worst[1] and not worst[0]):
+            worst = (name, max_abs, max_rel, cosine)
+        if name == "logits":
+            top1 = float(np.mean(want.argmax(-1) == got.argmax(-1)))
+    return Comparison(worst[1], worst[2], worst[3], top1, worst[0])
+
+
+def compare_models(reference: onnx.ModelProto, candidate: onnx.ModelProto, seed: int = 0) -> Comparison:
+    """Run both graphs on the same seeded inputs and compare every output."""
+    feeds = seeded_feeds(reference, seed)
+    return compare_outputs(run_onnx(reference, feeds), run_onnx(candidate, feeds))
+
+
+def _random(rng: np.random.Generator, dims: list[int], dtype) -> np.ndarray:
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(dims).astype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, dims).astype(bool)
+    return rng.integers(0, 2, dims).astype(dtype)
+
+
+def _logits_vocab(model: onnx.ModelProto) -> int:
+    for value in model.graph.output:
+        dims = value.type.tensor_type.shape.dim
+        if value.name == "logits" and len(dims) == 3 and dims[2].HasField("dim_value"):
+            return dims[2].dim_value
+    return 2
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    norm = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(a @ b / norm) if norm else 1.0

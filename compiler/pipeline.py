@@ -1,0 +1,112 @@
+"""Named pass pipelines and the runner that reports (and optionally verifies) every pass.
+
+Pipelines are explicit ordered lists of pass names; each ordering dependency is commented where
+it occurs. `optimize` runs one, refreshing shape information after every pass; under `verify`
+it also checks the graph and compares its outputs with the unoptimized graph's, and stops at
+the first pass whose error exceeds the tolerance, naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable, Iterable
+
+import onnx
+
+from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
+from llmc.errors import LlmcError
+from llmc.passes.base import Pass
+from llmc.passes.registry import PASSES
+
+CLEANUP = [
+    "fold-constants",
+    "eliminate-common-subexpressions",
+    "eliminate-dead-code",
+]
+
+PIPELINES: dict[str, list[str]] = {
+    "0": [],
+    "1": CLEANUP,
+    "2": CLEANUP,
+    "3": CLEANUP,
+}
+DEFAULT_LEVEL = "2"
+
+
+def resolve(level: str | int | None = None, passes: Iterable[str] | None = None) -> list[Pass]:
+    """The passes to run: an explicit list of names, or a named level.
+
+    Args:
+        level: a key of PIPELINES.
+        passes: pass names; overrides `level`.
+    """
+    if passes is not None:
+        names = list(passes)
+        unknown = [n for n in names if n not in PASSES]
+        if unknown:
+            raise LlmcError(f"--passes: unknown pass '{unknown[0]}' (valid: {', '.join(sorted(PASSES))})")
+    else:
+        level = str(DEFAULT_LEVEL if level is None else level)
+        if level not in PIPELINES:
+            raise LlmcError(f"--level: unknown level '{level}' (valid: {', '.join(PIPELINES)})")
+        names = PIPELINES[level]
+    return [PASSES[name]() for name in names]
+
+
+def optimize(model: onnx.ModelProto, *, level: str | int | None = None,
+             passes: Iterable[str] | None = None, verify: bool = False, tolerance: float = 1e-4,
+             progress: Callable[[str], None] = lambda message: None) -> tuple[onnx.ModelProto, list[dict]]:
+    """Run a pipeline over `model` (modified in place and returned) and report each pass.
+
+    Args:
+        model: the graph, weights loaded.
+        level: a named pipeline (see PIPELINES); ignored when `passes` is given.
+        passes: explicit pass names, in order.
+        verify: after every pass, check the graph and compare outputs with the original graph on
+            seeded inputs; stop with the pass's name when max abs error exceeds `tolerance`.
+        tolerance: allowed max abs error under `verify`.
+        progress: called with one short line per pass.
+    """
+    pipeline = resolve(level, passes)
+    refresh_shapes(model)
+    if verify:
+        feeds = seeded_feeds(model)
+        reference = run_onnx(model, feeds)
+    report = []
+    for pass_ in pipeline:
+        nodes_before = len(model.graph.node)
+        start = time.perf_counter()
+        result = pass_.run(model)
+        model = result.model
+        refresh_shapes(model)
+        entry = {"pass": pass_.name, "matches": result.matches, "nodes_before": nodes_before,
+                 "nodes_after": len(model.graph.node),
+                 "seconds": round(time.perf_counter() - start, 4), "notes": result.notes}
+        if verify:
+            _check_valid(model, pass_.name)
+            comparison = compare_outputs(reference, run_onnx(model, feeds))
+            entry["verify"] = comparison.to_dict()
+            if not comparison.max_abs <= tolerance:
+                raise LlmcError(f"pass '{pass_.name}' changed the outputs beyond tolerance: max abs "
+                                f"error {comparison.max_abs:.3g} > {tolerance:g} on "
+                                f"'{comparison.worst_output}'")
+        report.append(entry)
+        progress(f"{pass_.name}: {result.matches} matched, {nodes_before} → {entry['nodes_after']} nodes")
+    return model, report
+
+
+def refresh_shapes(model: onnx.ModelProto) -> None:
+    """Recompute value_info so passes see current shapes (stale entries are dropped first)."""
+    del model.graph.value_info[:]
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    model.graph.value_info.extend(inferred.graph.value_info)
+
+
+def _check_valid(model: onnx.ModelProto, pass_name: str) -> None:
+    try:
+        onnx.checker.check_model(model)
+        onnx.shape_inference.infer_shapes(copy.copy(model), strict_mode=True)
+    except Exception as exc:  # checker and inference raise several types
+        raise LlmcError(f"pass '{pass_name}' left an invalid graph: "
+                        f"{str(exc).strip().splitlines()[0][:300]}") from None

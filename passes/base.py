@@ -1,0 +1,72 @@
+"""What every graph pass is: a named object with `run(model) -> PassResult`.
+
+`RewritePass` is the shared base for pattern passes: it visits anchor nodes in topological
+order, asks `rewrite(graph, anchor)` for a `Rewrite` (None means no match), refuses matches that
+overlap an accepted one or whose intermediates are read outside the match, commits all accepted
+matches in one batch, then removes dead nodes and re-sorts once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+from llmc.passes.graph import Graph, Rewrite
+
+
+@dataclass
+class PassResult:
+    """What a pass did: the model, how many patterns it rewrote, and notes for the report."""
+
+    model: onnx.ModelProto
+    matches: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return self.matches > 0
+
+
+class Pass:
+    """A graph transformation. Subclasses set `name` and implement `run`."""
+
+    name: str = ""
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        raise NotImplementedError
+
+
+class RewritePass(Pass):
+    """A pattern pass. Subclasses set `anchors` (op types) and implement `rewrite`."""
+
+    anchors: tuple[str, ...] = ()
+    anchor_domain: str = ""
+
+    def rewrite(self, graph: Graph, anchor: onnx.NodeProto) -> Rewrite | None:
+        raise NotImplementedError
+
+    def prepare(self, graph: Graph) -> str | None:
+        """Check the pass applies at all; a returned string is why not (for the report)."""
+        return None
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        graph = Graph(model)
+        reason = self.prepare(graph)
+        if reason:
+            return PassResult(model, 0, [reason])
+        accepted: list[Rewrite] = []
+        claimed: set[int] = set()
+        for node in list(model.graph.node):
+            if node.op_type not in self.anchors or node.domain != self.anchor_domain:
+                continue
+            if id(node) in claimed:
+                continue
+            rewrite = self.rewrite(graph, node)
+            if rewrite is None or graph.conflicts(rewrite, claimed):
+                continue
+            accepted.append(rewrite)
+            claimed.update(id(n) for n in rewrite.remove)
+        if accepted:
+            graph.apply(accepted)
+        return PassResult(model, len(accepted))

@@ -1,0 +1,224 @@
+"""A mutable, indexed view of an ONNX graph for passes: producers, consumers, constants, edits.
+
+Passes look nodes up through this view and describe changes as `Rewrite`s; `apply` commits a
+batch of rewrites at once, drops what became dead and re-sorts the graph topologically.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+
+@dataclass
+class Rewrite:
+    """One match: nodes to remove, nodes to insert in their place, new initializers.
+
+    The outputs of removed nodes that the new nodes do not produce again are intermediates:
+    the rewrite is refused if anything outside the match still reads them.
+    """
+
+    remove: list[onnx.NodeProto]
+    add: list[onnx.NodeProto]
+    initializers: list[onnx.TensorProto] = field(default_factory=list)
+
+
+class Graph:
+    """Indexes over `model.graph`; rebuilt by `reindex()` after structural changes."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.graph = model.graph
+        self._names = itertools.count()
+        self.reindex()
+
+    def reindex(self) -> None:
+        self.producer: dict[str, onnx.NodeProto] = {}
+        self.consumers: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+        for node in self.graph.node:
+            for name in node.output:
+                if name:
+                    self.producer[name] = node
+            for name in node.input:
+                if name:
+                    self.consumers[name].append(node)
+        self.initializers = {t.name: t for t in self.graph.initializer}
+        self.outputs = {o.name for o in self.graph.output}
+        self.inputs = {i.name for i in self.graph.input}
+
+    # --- lookups ---------------------------------------------------------------------------
+
+    def constant(self, name: str) -> np.ndarray | None:
+        """The value of `name` if it is an initializer or a Constant node's output."""
+        if name in self.initializers:
+            return numpy_helper.to_array(self.initializers[name])
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            attr = node.attribute[0]
+            if attr.name == "value":
+                return numpy_helper.to_array(attr.t)
+            if attr.name in ("value_float", "value_int"):
+                return np.array(onnx.helper.get_attribute_value(attr))
+            if attr.name in ("value_floats", "value_ints"):
+                return np.array(onnx.helper.get_attribute_value(attr))
+        return None
+
+    def scalar(self, name: str) -> float | None:
+        """A constant holding a single value, as a Python float; None otherwise."""
+        value = self.constant(name)
+        if value is None or value.size != 1:
+            return None
+        return float(value.reshape(()))
+
+    def producer_of(self, name: str, *op_types: str) -> onnx.NodeProto | None:
+        """The node producing `name` if its op type is one of `op_types` (default domain)."""
+        node = self.producer.get(name)
+        if node is None or node.op_type not in op_types or node.domain not in ("", "ai.onnx"):
+            return None
+        return node
+
+    def only_consumer(self, name: str) -> onnx.NodeProto | None:
+        users = self.consumers.get(name, [])
+        return users[0] if len(users) == 1 and name not in self.outputs else None
+
+    def rank(self, name: str) -> int | None:
+        shape = self.shape(name)
+        return None if shape is None else len(shape)
+
+    def shape(self, name: str) -> list[int | str] | None:
+        """Known shape of a value (ints for fixed dims, names or '?' otherwise), if recorded."""
+        if name in self.initializers:
+            return list(self.initializers[name].dims)
+        for info in itertools.chain(self.graph.value_info, self.graph.input, self.graph.output):
+            if info.name == name and info.type.tensor_type.HasField("shape"):
+                return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                        for d in info.type.tensor_type.shape.dim]
+        return None
+
+    def elem_type(self, name: str) -> int | None:
+        if name in self.initializers:
+            return self.initializers[name].data_type
+        for info in itertools.chain(self.graph.value_info, self.graph.input, self.graph.output):
+            if info.name == name:
+                return info.type.tensor_type.elem_type
+        return None
+
+    # --- building --------------------------------------------------------------------------
+
+    def fresh(self, prefix: str) -> str:
+        """A value or node name not used in the graph."""
+        while True:
+            name = f"{prefix}_{next(self._names)}"
+            if name not in self.producer and name not in self.initializers and name not in self.inputs:
+                return name
+
+    def initializer(self, prefix: str, value: np.ndarray) -> onnx.TensorProto:
+        """A new initializer proto holding `value` (add it through a Rewrite)."""
+        return numpy_helper.from_array(np.asarray(value), self.fresh(prefix))
+
+    def node(self, op_type: str, inputs: list[str], outputs: list[str] | int = 1, *,
+             domain: str = "", **attrs) -> onnx.NodeProto:
+        """A new node; `outputs` may be a count, for fresh output names."""
+        if isinstance(outputs, int):
+            outputs = [self.fresh(op_type.lower()) for _ in range(outputs)]
+        return onnx.helper.make_node(op_type, inputs, outputs, name=self.fresh(op_type),
+                                     domain=domain, **attrs)
+
+    # --- committing ------------------------------------------------------------------------
+
+    def conflicts(self, rewrite: Rewrite, claimed: set[int]) -> bool:
+        """True if `rewrite` overlaps an accepted one or would orphan a value read elsewhere."""
+        removed = {id(n) for n in rewrite.remove}
+        if removed & claimed:
+            return True
+        kept = {name for node in rewrite.add for name in node.output}
+        for node in rewrite.remove:
+            for name in node.output:
+                if not name or name in kept:
+                    continue
+                if name in self.outputs:
+                    return True
+                if any(id(user) not in removed for user in self.consumers.get(name, [])):
+                    return True
+        return False
+
+    def apply(self, rewrites: list[Rewrite]) -> None:
+        """Commit accepted rewrites, then remove dead nodes and initializers and re-sort."""
+        removed = {id(n) for r in rewrites for n in r.remove}
+        nodes = [n for n in self.graph.node if id(n) not in removed]
+        nodes += [n for r in rewrites for n in r.add]
+        self.graph.initializer.extend(t for r in rewrites for t in r.initializers)
+        self._replace_nodes(nodes)
+        self.remove_dead()
+
+    def remove_dead(self) -> int:
+        """Drop nodes whose outputs nobody reads and initializers nobody uses; returns nodes dropped."""
+        live = set(self.outputs)
+        kept = []
+        for node in reversed(self.graph.node):
+            if any(name in live for name in node.output):
+                kept.append(node)
+                live.update(n for n in node.input if n)
+                live.update(_subgraph_inputs(node))
+        dropped = len(self.graph.node) - len(kept)
+        if dropped:
+            self._replace_nodes(list(reversed(kept)))
+        unused = [t for t in self.graph.initializer if t.name not in live]
+        for tensor in unused:
+            self.graph.initializer.remove(tensor)
+        if unused:
+            self.reindex()
+        return dropped
+
+    def _replace_nodes(self, nodes: list[onnx.NodeProto]) -> None:
+        ordered = toposort(nodes, self.inputs | set(self.initializers) |
+                           {t.name for t in self.graph.initializer})
+        del self.graph.node[:]
+        self.graph.node.extend(ordered)
+        self.reindex()
+
+
+def toposort(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
+    """Order nodes so each comes after its producers, keeping the given order where free."""
+    producer_index = {name: i for i, node in enumerate(nodes) for name in node.output if name}
+    waiting_on = []
+    dependents: dict[int, list[int]] = defaultdict(list)
+    for i, node in enumerate(nodes):
+        needs = {producer_index[name] for name in list(node.input) + _subgraph_inputs(node)
+                 if name and name not in available and name in producer_index}
+        needs.discard(i)
+        waiting_on.append(len(needs))
+        for j in needs:
+            dependents[j].append(i)
+    ready = [i for i, count in enumerate(waiting_on) if count == 0]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        i = heapq.heappop(ready)
+        ordered.append(nodes[i])
+        for j in dependents[i]:
+            waiting_on[j] -= 1
+            if waiting_on[j] == 0:
+                heapq.heappush(ready, j)
+    if len(ordered) != len(nodes):
+        raise ValueError("graph has a cycle after rewriting")
+    return ordered
+
+
+def _subgraph_inputs(node: onnx.NodeProto) -> list[str]:
+    """Names that subgraphs (If/Loop/Scan bodies) read from the enclosing scope."""
+    names = []
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            defined = {i.name for i in sub.input} | {t.name for t in sub.initializer}
+            for inner in sub.node:
+                names += [n for n in inner.input if n and n not in defined]
+                defined.update(inner.output)
+                names += _subgraph_inputs(inner)
+    return names
