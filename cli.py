@@ -53,28 +53,64 @@ def export(model, output, no_check):
                    f"present {max(check.prefill_present, check.decode_present):.2e})")
 
 
+def _pipeline_options(command):
+    """--level, --passes and --verify, shared by optimize and compile."""
+    command = click.option("--verify", is_flag=True,
+                           help="Check the graph and compare outputs with the original after every pass.")(command)
+    command = click.option("--passes", help="Comma-separated pass names to run instead of a level.")(command)
+    return click.option("--level", default=None, help="Optimization level: 0, 1, 2 (default) or 3.")(command)
+
+
+def _pass_names(passes: str | None) -> list[str] | None:
+    return None if passes is None else [p.strip() for p in passes.split(",") if p.strip()]
+
+
+@main.command()
+@click.argument("onnx_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="ONNX file to write.")
+@_pipeline_options
+@click.option("--report", type=click.Path(dir_okay=False), help="Write the per-pass report as JSON.")
+def optimize(onnx_file, output, level, passes, verify, report):
+    """Run graph optimization passes over ONNX_FILE."""
+    from llmc.compiler.pipeline import optimize_file
+
+    entries = optimize_file(onnx_file, output, level=level, passes=_pass_names(passes), verify=verify,
+                            report=report, progress=_progress)
+    before = entries[0]["nodes_before"] if entries else "?"
+    after = entries[-1]["nodes_after"] if entries else "?"
+    click.echo(f"wrote {output}: {before} → {after} nodes")
+
+
 @main.command(name="compile")
 @click.argument("onnx_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Engine file to write.")
 @click.option("--backend", default="onnxruntime", show_default=True, help="Runtime the engine targets.")
 @click.option("--tokenizer", type=click.Path(), help="tokenizer.json or its folder (default: embedded or beside the ONNX file).")
-def compile_command(onnx_file, output, backend, tokenizer):
-    """Compile a decoder ONNX_FILE into one engine file."""
+@_pipeline_options
+def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify):
+    """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
 
-    manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer)
+    manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
+                             passes=_pass_names(passes), verify=verify, progress=_progress)
     g = manifest["geometry"]
     click.echo(f"wrote {output}: {manifest['backend']}, {manifest['dtype']}, {g['num_layers']} layers, "
                f"vocab {g['vocab_size']}, {g['max_positions']} positions")
 
 
 @main.command()
-@click.argument("engine", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def inspect(engine, as_json):
-    """Show what is inside an ENGINE file."""
-    from llmc.compiler.engine_file import read_manifest
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def inspect(path, as_json):
+    """Show what is inside an engine file or an ONNX model."""
+    from llmc.compiler.engine_file import MAGIC, read_manifest
 
+    with open(_existing(path), "rb") as f:
+        is_engine = f.read(len(MAGIC)) == MAGIC
+    if not is_engine:
+        _inspect_onnx(path, as_json)
+        return
+    engine = path
     manifest = read_manifest(engine)
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
@@ -129,6 +165,27 @@ def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p
                                    "finish_reason": completion.finish_reason}))
         else:
             click.echo(completion.prompt + completion.text)
+
+
+def _inspect_onnx(path: str, as_json: bool) -> None:
+    from llmc.compiler.onnx_summary import summarize
+
+    summary = summarize(path)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+        return
+    lines = [f"model         {path} (opset {summary['opsets']}, {summary['nodes']} nodes, "
+             f"{summary['parameters']:,} parameters, {summary['bytes']:,} bytes)"]
+    lines += [f"input         {v['name']}: {v['dtype']} {v['shape']}" for v in summary["inputs"]]
+    lines += [f"output        {v['name']}: {v['dtype']} {v['shape']}" for v in summary["outputs"]]
+    lines += [f"op            {count:5d}  {op}" for op, count in summary["ops"].items()]
+    click.echo("\n".join(lines))
+
+
+def _existing(path: str) -> str:
+    if not Path(path).is_file():
+        raise LlmcError(f"{path}: no such file")
+    return path
 
 
 def _stream_one(llm, prompt: str, params, as_json: bool) -> None:

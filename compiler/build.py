@@ -1,7 +1,8 @@
 """`llmc compile`: validate a decoder ONNX graph and package it as one engine file.
 
 Stages: load → validate (onnx.checker, strict shape inference) → recognize the decoder interface
-and geometry → build the backend payload → write the engine file atomically.
+and geometry → optimization pipeline (compiler/pipeline.py) → backend payload → engine file,
+written atomically.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import hashlib
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import onnx
 
@@ -18,6 +19,7 @@ import llmc
 from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_file import write_engine
 from llmc.compiler.onnx_io import load_onnx
+from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
 
@@ -27,7 +29,10 @@ TOKENIZER_METADATA_KEY = "llmc.tokenizer"
 
 def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
                   backend: str = "onnxruntime",
-                  tokenizer: str | os.PathLike | None = None) -> dict[str, Any]:
+                  tokenizer: str | os.PathLike | None = None,
+                  level: str | int | None = None, passes: Iterable[str] | None = None,
+                  verify: bool = False,
+                  progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Compile a decoder-with-past ONNX file into an engine file; returns the engine's manifest.
 
     Args:
@@ -36,6 +41,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         backend: the runtime that will execute the engine; one of `BACKENDS`.
         tokenizer: a tokenizer.json file or a folder holding one; by default the tokenizer
             embedded by `llmc export`, else tokenizer.json beside the ONNX file.
+        level, passes, verify, progress: the optimization pipeline, as for `llmc optimize`.
     """
     onnx_path = Path(onnx_path)
     if backend not in BACKENDS:
@@ -47,16 +53,20 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if tok.vocab_size > interface.geometry.vocab_size:
         raise LlmcError(f"tokenizer: {tok.vocab_size} tokens do not fit the model's vocabulary of "
                         f"{interface.geometry.vocab_size}")
+    source_hash = hashlib.sha256(model.SerializeToString()).hexdigest()
+    source_nodes = len(model.graph.node)
 
+    model, report = optimize(model, level=level, passes=passes, verify=verify, progress=progress)
     payload = model.SerializeToString()
     manifest = {
         "llmc_version": llmc.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "backend": backend,
         **interface.to_dict(),
-        "source": {"file": onnx_path.name, "sha256": hashlib.sha256(payload).hexdigest(),
-                   "nodes": len(model.graph.node)},
-        "build_options": {"backend": backend, "passes": []},
+        "source": {"file": onnx_path.name, "sha256": source_hash, "nodes": source_nodes},
+        "build_options": {"backend": backend, "level": None if passes is not None else str(DEFAULT_LEVEL if level is None else level),
+                          "passes": [entry["pass"] for entry in report], "verify": verify},
+        "optimization": [{k: entry[k] for k in ("pass", "matches", "nodes_after")} for entry in report],
     }
     write_engine(output, manifest, {"model.onnx": payload, "tokenizer.json": tok.to_json().encode()})
     return manifest

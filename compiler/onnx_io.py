@@ -64,6 +64,20 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write a text file through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:200]

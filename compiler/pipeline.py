@@ -9,27 +9,34 @@ the first pass whose error exceeds the tolerance, naming it.
 from __future__ import annotations
 
 import copy
+import json
+import os
 import time
 from typing import Callable, Iterable
 
 import onnx
 
 from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
+from llmc.compiler.onnx_io import load_onnx, save_onnx, write_text_atomic
 from llmc.errors import LlmcError
 from llmc.passes.base import Pass
 from llmc.passes.registry import PASSES
 
-CLEANUP = [
-    "fold-constants",
-    "eliminate-common-subexpressions",
-    "eliminate-dead-code",
+CLEANUP: list[str] = []
+
+FUSIONS = [
+    # Before attention: the rotary Add feeds Q·Kᵀ, and the attention pattern expects Q and K
+    # as they reach the MatMul.
+    "fuse-rotary",
+    "fuse-attention",
+    "merge-sibling-matmuls",
 ]
 
 PIPELINES: dict[str, list[str]] = {
     "0": [],
     "1": CLEANUP,
-    "2": CLEANUP,
-    "3": CLEANUP,
+    "2": CLEANUP + FUSIONS,
+    "3": CLEANUP + FUSIONS,
 }
 DEFAULT_LEVEL = "2"
 
@@ -110,3 +117,23 @@ def _check_valid(model: onnx.ModelProto, pass_name: str) -> None:
     except Exception as exc:  # checker and inference raise several types
         raise LlmcError(f"pass '{pass_name}' left an invalid graph: "
                         f"{str(exc).strip().splitlines()[0][:300]}") from None
+
+
+def optimize_file(source: str | os.PathLike, output: str | os.PathLike, *, level: str | int | None = None,
+                  passes: Iterable[str] | None = None, verify: bool = False,
+                  report: str | os.PathLike | None = None,
+                  progress: Callable[[str], None] = lambda message: None) -> list[dict]:
+    """`llmc optimize`: load an ONNX file, run a pipeline, save the result (and the report).
+
+    Args:
+        source: the ONNX file (external data beside it is loaded).
+        output: where to write the optimized graph (atomically; external data past 2 GB).
+        level, passes, verify, progress: as for `optimize`.
+        report: optional JSON file for the per-pass report.
+    """
+    model = load_onnx(source)
+    model, entries = optimize(model, level=level, passes=passes, verify=verify, progress=progress)
+    save_onnx(model, output)
+    if report is not None:
+        write_text_atomic(report, json.dumps({"source": str(source), "passes": entries}, indent=2))
+    return entries

@@ -15,6 +15,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+# Ops whose outputs differ from run to run: never folded or merged. Dropout is random when its
+# training_mode input is set.
+NONDETERMINISTIC_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike",
+                                  "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
+
 
 @dataclass
 class Rewrite:
@@ -86,6 +91,10 @@ class Graph:
     def only_consumer(self, name: str) -> onnx.NodeProto | None:
         users = self.consumers.get(name, [])
         return users[0] if len(users) == 1 and name not in self.outputs else None
+
+    def subgraph_reads(self) -> set[str]:
+        """Names of this graph's values that subgraphs (If/Loop/Scan bodies) read."""
+        return {name for node in self.graph.node for name in _subgraph_inputs(node)}
 
     def rank(self, name: str) -> int | None:
         shape = self.shape(name)

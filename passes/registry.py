@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from llmc.passes.base import Pass
+from llmc.passes.fuse_attention import FuseAttention
+from llmc.passes.fuse_rotary import FuseRotary
+from llmc.passes.merge_sibling_matmuls import MergeSiblingMatMuls
 
-_ALL: list[type[Pass]] = []
+_ALL: list[type[Pass]] = [
+    FuseRotary,
+    FuseAttention,
+    MergeSiblingMatMuls,
+]
 
 PASSES: dict[str, type[Pass]] = {}
 for _cls in _ALL:

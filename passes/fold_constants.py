@@ -1,0 +1,198 @@
+"""Constant folding: every node whose inputs are all known is computed once and stored.
+
+A value is known when it is an initializer (not also a graph input, which a caller may
+override), a Constant's output, the output of a node folded earlier in the same topological
+sweep, or, for `Shape` and `Size`, a value whose shape is fully static in `value_info`. Op
+semantics come from `onnx.reference.ReferenceEvaluator` run on one node at a time.
+
+Preconditions: `value_info` is fresh (the pipeline runs `infer_shapes(data_prop=True)` before
+every pass); without it only `Shape`s of graph inputs and known values fold. External data, if
+any, must be loaded.
+
+Folded values become initializers under their own names; a folded graph output keeps its name
+through an `Identity` of a new initializer. Not folded, and reported in the notes: random ops,
+nodes with subgraphs or in other domains, results that would bloat the model (an `Expand` of a
+scalar into a large tensor), and nodes the evaluator cannot run.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from llmc.passes.base import Pass, PassResult
+from llmc.passes.graph import NONDETERMINISTIC_OPS, Graph, Rewrite
+
+# A folded result is refused when it is larger than this and than all its constant inputs
+# together: folding would trade a cheap runtime op for a big stored tensor.
+MAX_GROWN_ELEMENTS = 1_000_000
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+class FoldConstants(Pass):
+    name = "fold-constants"
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        graph = Graph(model)
+        opsets = {("" if o.domain in _DEFAULT_DOMAINS else o.domain): o.version
+                  for o in model.opset_import}
+        types = _tensor_types(model)
+        values: dict[str, np.ndarray] = {}
+        folded: list[onnx.NodeProto] = []
+        skipped: dict[str, Counter] = defaultdict(Counter)
+        for node in model.graph.node:
+            feeds = self._feeds(graph, types, node, values)
+            if feeds is None:
+                continue
+            reason = _refusal(types, node, feeds)
+            outputs = None
+            if reason is None:
+                outputs, reason = _evaluate(types, node, feeds, opsets)
+            if reason is not None:
+                skipped[reason][node.op_type] += 1
+                continue
+            values.update(outputs)
+            folded.append(node)
+        if folded:
+            graph.apply([self._rewrite(graph, folded, values)])
+        notes = [f"not folded, {reason}: {sum(ops.values())} ({_histogram(ops)})"
+                 for reason, ops in skipped.items()]
+        return PassResult(model, len(folded), notes)
+
+    def _feeds(self, graph: Graph, types: dict[str, onnx.TypeProto.Tensor], node: onnx.NodeProto,
+               values: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The node's inputs if all are known (stand-ins for shape-only inputs); else None."""
+        if _is_output_identity(graph, node, values):
+            return None  # already the canonical form of a constant graph output
+        feeds = {}
+        for name in node.input:
+            if not name:
+                continue
+            value = values.get(name)
+            if value is None:
+                value = _initializer_value(graph, name)
+            if value is None and node.op_type in ("Shape", "Size") and node.domain in _DEFAULT_DOMAINS:
+                value = _shape_stand_in(types, name)
+            if value is None:
+                return None
+            feeds[name] = value
+        return feeds
+
+    def _rewrite(self, graph: Graph, folded: list[onnx.NodeProto],
+                 values: dict[str, np.ndarray]) -> Rewrite:
+        folded_ids = {id(n) for n in folded}
+        read = graph.subgraph_reads() | graph.outputs
+        read.update(name for n in graph.graph.node if id(n) not in folded_ids for name in n.input)
+        initializers, identities = [], []
+        for node in folded:
+            for name in node.output:
+                if not name or name not in read:
+                    continue  # intermediates read only by other folded nodes are not stored
+                if name in graph.outputs:
+                    tensor = numpy_helper.from_array(values[name], graph.fresh(name))
+                    identities.append(graph.node("Identity", [tensor.name], [name]))
+                else:
+                    tensor = numpy_helper.from_array(values[name], name)
+                initializers.append(tensor)
+        return Rewrite(remove=folded, add=identities, initializers=initializers)
+
+
+def _refusal(types: dict[str, onnx.TypeProto.Tensor], node: onnx.NodeProto, feeds: dict[str, np.ndarray]) -> str | None:
+    """Why `node` must not be folded before evaluating it, or None."""
+    if node.domain not in _DEFAULT_DOMAINS:
+        return "other domain"
+    if node.op_type in NONDETERMINISTIC_OPS:
+        return "nondeterministic"
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+        return "has subgraphs"
+    sizes = []
+    for name in node.output:
+        shape = _static_shape(types, name) if name else []
+        if shape is None:
+            return None  # unknown until evaluated; checked again afterwards
+        sizes.append(int(np.prod(shape, dtype=np.int64)))
+    return _too_large(node, feeds, sizes)
+
+
+def _evaluate(types: dict[str, onnx.TypeProto.Tensor], node: onnx.NodeProto, feeds: dict[str, np.ndarray],
+              opsets: dict[str, int]) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """The node's outputs by name, or None and why not."""
+    if node.domain:
+        node = onnx.NodeProto.FromString(node.SerializeToString())
+        node.domain = ""
+    try:
+        results = ReferenceEvaluator(node, opsets=opsets).run(None, feeds)
+    except Exception:  # the evaluator raises many types for ops or cases it lacks
+        return None, "evaluator failed"
+    outputs = {}
+    for name, value in zip(node.output, results):
+        if not name:
+            continue
+        if not isinstance(value, np.ndarray):
+            return None, "result is not a tensor"
+        if value.dtype.kind == "U":
+            value = value.astype(object)
+        expected = types[name].elem_type if name in types else 0
+        if expected and numpy_helper.from_array(value.reshape(-1)[:0]).data_type != expected:
+            return None, "evaluator returned another type"
+        outputs[name] = value
+    reason = _too_large(node, feeds, [v.size for v in outputs.values()])
+    return (None, reason) if reason else (outputs, None)
+
+
+def _too_large(node: onnx.NodeProto, feeds: dict[str, np.ndarray], sizes: list[int]) -> str | None:
+    if node.op_type == "Constant":
+        return None  # its tensor is in the model already
+    stored = sum(v.size for v in feeds.values())
+    if any(size > MAX_GROWN_ELEMENTS and size > stored for size in sizes):
+        return f"result over {MAX_GROWN_ELEMENTS} elements"
+    return None
+
+
+def _initializer_value(graph: Graph, name: str) -> np.ndarray | None:
+    tensor = graph.initializers.get(name)
+    if tensor is None or name in graph.inputs:
+        return None
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None  # not loaded: the bytes are in a file this pass has no path to
+    return numpy_helper.to_array(tensor)
+
+
+def _tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
+    """Declared tensor types by value name, indexed once (Graph.shape scans per lookup)."""
+    graph = model.graph
+    return {info.name: info.type.tensor_type
+            for info in itertools.chain(graph.value_info, graph.input, graph.output)
+            if info.type.HasField("tensor_type")}
+
+
+def _static_shape(types: dict[str, onnx.TypeProto.Tensor], name: str) -> list[int] | None:
+    tensor = types.get(name)
+    if tensor is None or not tensor.HasField("shape"):
+        return None
+    if not all(d.HasField("dim_value") for d in tensor.shape.dim):
+        return None
+    return [d.dim_value for d in tensor.shape.dim]
+
+
+def _shape_stand_in(types: dict[str, onnx.TypeProto.Tensor], name: str) -> np.ndarray | None:
+    """A zero-copy tensor of `name`'s static shape, for evaluating Shape and Size."""
+    shape = _static_shape(types, name)
+    return None if shape is None else np.broadcast_to(np.zeros((), np.float32), shape)
+
+
+def _is_output_identity(graph: Graph, node: onnx.NodeProto, values: dict[str, np.ndarray]) -> bool:
+    if node.op_type != "Identity" or node.output[0] not in graph.outputs:
+        return False
+    source = node.input[0]
+    return source in values or (source in graph.initializers and source not in graph.inputs)
+
+
+def _histogram(ops: Counter) -> str:
+    return ", ".join(f"{op}×{count}" if count > 1 else op for op, count in sorted(ops.items()))
