@@ -18,7 +18,7 @@ import onnx
 import llmc
 from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_file import write_engine
-from llmc.compiler.onnx_io import load_onnx
+from llmc.compiler.onnx_io import check_model, infer_shapes, load_onnx, serialize
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
@@ -53,29 +53,38 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if tok.vocab_size > interface.geometry.vocab_size:
         raise LlmcError(f"tokenizer: {tok.vocab_size} tokens do not fit the model's vocabulary of "
                         f"{interface.geometry.vocab_size}")
-    source_hash = hashlib.sha256(model.SerializeToString()).hexdigest()
     source_nodes = len(model.graph.node)
-
     model, report = optimize(model, level=level, passes=passes, verify=verify, progress=progress)
-    payload = model.SerializeToString()
+    payload = serialize(model)
     manifest = {
         "llmc_version": llmc.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "backend": backend,
         **interface.to_dict(),
-        "source": {"file": onnx_path.name, "sha256": source_hash, "nodes": source_nodes},
+        "source": {"file": onnx_path.name, "sha256": _file_hash(onnx_path), "nodes": source_nodes},
         "build_options": {"backend": backend, "level": None if passes is not None else str(DEFAULT_LEVEL if level is None else level),
                           "passes": [entry["pass"] for entry in report], "verify": verify},
         "optimization": [{k: entry[k] for k in ("pass", "matches", "nodes_after")} for entry in report],
     }
-    write_engine(output, manifest, {"model.onnx": payload, "tokenizer.json": tok.to_json().encode()})
+    write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
     return manifest
+
+
+def _file_hash(path: Path) -> str:
+    """SHA-256 of the ONNX file and its external data file, if any, read in chunks."""
+    digest = hashlib.sha256()
+    for part in (path, path.with_name(path.name + ".data")):
+        if part.is_file():
+            with open(part, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _validate(model: onnx.ModelProto, source: Path) -> None:
     try:
-        onnx.checker.check_model(model, full_check=False)
-        onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+        check_model(model)
+        infer_shapes(model, check_type=True, strict_mode=True)
     except Exception as exc:  # checker and inference raise several types; all mean "invalid graph"
         message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise LlmcError(f"{source}: invalid ONNX graph: {message}") from None

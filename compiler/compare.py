@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import tempfile
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
+
+from llmc.compiler.onnx_io import serialize
+from llmc.runtime.backends.onnxruntime import open_session
 
 _BATCH, _SEQ, _PAST = 2, 5, 3
 
@@ -61,10 +66,11 @@ def run_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds)))
+    files = serialize(model)
+    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
+        session = open_session(files, folder, options)
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(names, feeds)))
 
 
 def compare_outputs(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> Comparison:

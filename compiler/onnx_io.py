@@ -7,6 +7,7 @@ failed or interrupted save never leaves a file that looks good. Models whose ten
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -46,15 +47,16 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data_name = path.name + ".data"
-    try:
-        external = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    except ValueError:  # some protobuf builds refuse even to size a message over 2 GB
-        external = True
+    external = is_large(model)
     staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
     try:
         staged = staging / path.name
         onnx.save_model(model, str(staged), save_as_external_data=external,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        if external:
+            # Saving moved the weights out of the in-memory model; bring them back so the
+            # caller's model is unchanged.
+            onnx.load_external_data_for_model(model, str(staging))
         if external:
             os.replace(staging / data_name, path.parent / data_name)
         elif (path.parent / data_name).exists():
@@ -62,6 +64,73 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
         os.replace(staged, path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def is_large(model: onnx.ModelProto) -> bool:
+    """Whether the model is too big to serialize as one protobuf message."""
+    try:
+        return model.ByteSize() > EXTERNAL_DATA_THRESHOLD
+    except ValueError:  # some protobuf builds refuse even to size a message over 2 GB
+        return True
+
+
+def infer_shapes(model: onnx.ModelProto, **options) -> onnx.ModelProto:
+    """onnx shape inference that also works past 2 GB (weights' bytes are not needed for shapes).
+
+    Args:
+        model: the model; the returned inferred copy holds the same weights.
+        options: passed to `onnx.shape_inference.infer_shapes` (e.g. data_prop, strict_mode).
+    """
+    return transform_without_weights(model, lambda m: onnx.shape_inference.infer_shapes(m, **options))
+
+
+def transform_without_weights(model: onnx.ModelProto, transform) -> onnx.ModelProto:
+    """Apply an onnx tool that serializes the model (shape inference, version conversion) to a
+    model of any size: past 2 GB its large tensors are set aside and put back in the result."""
+    with weights_set_aside(model) as stashed:
+        result = transform(model)
+    for tensor in result.graph.initializer:
+        if tensor.name in stashed:
+            tensor.raw_data = stashed[tensor.name]
+    return result
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """onnx.checker on a model of any size (raises onnx's own errors).
+
+    Past 2 GB the checker only works on files, so the model is written out first.
+    """
+    if not is_large(model):
+        onnx.checker.check_model(model)
+        return
+    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
+        save_onnx(model, Path(folder) / "model.onnx")
+        onnx.checker.check_model(str(Path(folder) / "model.onnx"))
+
+
+def serialize(model: onnx.ModelProto) -> dict[str, bytes]:
+    """The model as files: {"model.onnx": ...}, plus "model.onnx.data" when past 2 GB."""
+    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
+        path = Path(folder) / "model.onnx"
+        save_onnx(model, path)
+        return {file.name: file.read_bytes() for file in sorted(Path(folder).iterdir())}
+
+
+@contextlib.contextmanager
+def weights_set_aside(model: onnx.ModelProto):
+    """For a model past 2 GB, temporarily empty its big tensors so it can be serialized."""
+    stashed: dict[str, bytes] = {}
+    if is_large(model):
+        for tensor in model.graph.initializer:
+            if len(tensor.raw_data) > 4096:  # small ones may feed shape arithmetic: keep them
+                stashed[tensor.name] = tensor.raw_data
+                tensor.ClearField("raw_data")
+    try:
+        yield stashed
+    finally:
+        for tensor in model.graph.initializer:
+            if tensor.name in stashed:
+                tensor.raw_data = stashed[tensor.name]
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -8,7 +8,6 @@ the first pass whose error exceeds the tolerance, naming it.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -17,12 +16,21 @@ from typing import Callable, Iterable
 import onnx
 
 from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
-from llmc.compiler.onnx_io import load_onnx, save_onnx, write_text_atomic
+from llmc.compiler.onnx_io import check_model, infer_shapes, load_onnx, save_onnx, write_text_atomic
 from llmc.errors import LlmcError
 from llmc.passes.base import Pass
 from llmc.passes.registry import PASSES
 
-CLEANUP: list[str] = []
+CLEANUP = [
+    "fold-constants",
+    # Needs the constants folded first (shape inference sees more); its constants then let the
+    # arithmetic after it fold.
+    "fold-static-dims",
+    "fold-constants",
+    # After folding: folded constants become identical initializers that CSE can merge.
+    "eliminate-common-subexpressions",
+    "eliminate-dead-code",
+]
 
 FUSIONS = [
     # Before attention: the rotary Add feeds Q·Kᵀ, and the attention pattern expects Q and K
@@ -35,8 +43,10 @@ FUSIONS = [
 PIPELINES: dict[str, list[str]] = {
     "0": [],
     "1": CLEANUP,
-    "2": CLEANUP + FUSIONS,
-    "3": CLEANUP + FUSIONS,
+    # Clean up again after fusing: fusions leave per-layer copies of shared subgraphs (mask,
+    # rotary table slices) for CSE to merge, and dead producers behind.
+    "2": CLEANUP + FUSIONS + CLEANUP[1:],
+    "3": CLEANUP + FUSIONS + CLEANUP[1:],
 }
 DEFAULT_LEVEL = "2"
 
@@ -106,14 +116,14 @@ def optimize(model: onnx.ModelProto, *, level: str | int | None = None,
 def refresh_shapes(model: onnx.ModelProto) -> None:
     """Recompute value_info so passes see current shapes (stale entries are dropped first)."""
     del model.graph.value_info[:]
-    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    inferred = infer_shapes(model, data_prop=True)
     model.graph.value_info.extend(inferred.graph.value_info)
 
 
 def _check_valid(model: onnx.ModelProto, pass_name: str) -> None:
     try:
-        onnx.checker.check_model(model)
-        onnx.shape_inference.infer_shapes(copy.copy(model), strict_mode=True)
+        check_model(model)
+        infer_shapes(model, strict_mode=True)
     except Exception as exc:  # checker and inference raise several types
         raise LlmcError(f"pass '{pass_name}' left an invalid graph: "
                         f"{str(exc).strip().splitlines()[0][:300]}") from None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import onnx
 
 from llmc.passes.graph import Graph, Rewrite
+from llmc.passes.opsets import default_opset, require_opset
 
 
 @dataclass
@@ -42,6 +43,8 @@ class RewritePass(Pass):
 
     anchors: tuple[str, ...] = ()
     anchor_domain: str = ""
+    # The default-domain opset the emitted ops need; the model is upgraded only on a match.
+    opset: int | None = None
 
     def rewrite(self, graph: Graph, anchor: onnx.NodeProto) -> Rewrite | None:
         raise NotImplementedError
@@ -55,9 +58,23 @@ class RewritePass(Pass):
         reason = self.prepare(graph)
         if reason:
             return PassResult(model, 0, [reason])
+        accepted = self._match(graph)
+        notes = []
+        if accepted and self.opset and default_opset(model) < self.opset:
+            # Upgrade first (the converter must not meet the new ops), then match again on the
+            # upgraded graph, whose nodes the converter may have rewritten.
+            notes.append(f"opset {default_opset(model)} → {self.opset}")
+            require_opset(model, self.opset)
+            graph = Graph(model)
+            accepted = self._match(graph)
+        if accepted:
+            graph.apply(accepted)
+        return PassResult(model, len(accepted), notes)
+
+    def _match(self, graph: Graph) -> list[Rewrite]:
         accepted: list[Rewrite] = []
         claimed: set[int] = set()
-        for node in list(model.graph.node):
+        for node in list(graph.graph.node):
             if node.op_type not in self.anchors or node.domain != self.anchor_domain:
                 continue
             if id(node) in claimed:
@@ -67,6 +84,4 @@ class RewritePass(Pass):
                 continue
             accepted.append(rewrite)
             claimed.update(id(n) for n in rewrite.remove)
-        if accepted:
-            graph.apply(accepted)
-        return PassResult(model, len(accepted))
+        return accepted

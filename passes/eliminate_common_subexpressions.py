@@ -53,12 +53,14 @@ class EliminateCommonSubexpressions(Pass):
             del model.graph.initializer[index]
         return PassResult(model, len(duplicate_nodes) + len(duplicate_tensors))
 
-    def _merge_initializers(self, graph: Graph, pinned: set[str], alias: dict[str, str]) -> list[int]:
+    def _merge_initializers(self, graph: Graph, pinned: set[str],
+                            alias: dict[str, str]) -> list[int]:
         """Alias duplicate initializers to the first copy; returns the duplicates' indices."""
         first: dict[tuple, str] = {}
         duplicates = []
         # Graph outputs first, so that the copy that must stay is the one the others merge into.
-        order = sorted(enumerate(graph.graph.initializer), key=lambda it: it[1].name not in graph.outputs)
+        order = sorted(enumerate(graph.graph.initializer),
+                       key=lambda item: item[1].name not in graph.outputs)
         for index, tensor in order:
             if tensor.name in graph.inputs:
                 continue
@@ -73,8 +75,10 @@ class EliminateCommonSubexpressions(Pass):
 
 
 def _tensor_key(tensor: onnx.TensorProto) -> tuple | None:
-    if tensor.data_location == onnx.TensorProto.EXTERNAL or tensor.data_type == onnx.TensorProto.STRING:
-        return None
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return None  # not loaded
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return None  # no byte encoding to hash
     # raw_data and the typed fields encode the same values differently; compare decoded bytes.
     data = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
     # A 128-bit digest: a collision between two different weights is not a practical concern.
@@ -86,7 +90,8 @@ def _node_key(node: onnx.NodeProto) -> tuple | None:
         return None
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
         return None
-    attributes = tuple(sorted((a.name, a.SerializeToString(deterministic=True)) for a in node.attribute))
+    attributes = tuple(sorted((a.name, a.SerializeToString(deterministic=True))
+                              for a in node.attribute))
     domain = "" if node.domain == "ai.onnx" else node.domain
     return (domain, node.op_type, node.overload, tuple(node.input),
             tuple(bool(name) for name in node.output), attributes)

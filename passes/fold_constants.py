@@ -34,6 +34,8 @@ MAX_GROWN_ELEMENTS = 1_000_000
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 
+Types = dict[str, onnx.TypeProto.Tensor]
+
 
 class FoldConstants(Pass):
     name = "fold-constants"
@@ -65,24 +67,24 @@ class FoldConstants(Pass):
                  for reason, ops in skipped.items()]
         return PassResult(model, len(folded), notes)
 
-    def _feeds(self, graph: Graph, types: dict[str, onnx.TypeProto.Tensor], node: onnx.NodeProto,
+    def _feeds(self, graph: Graph, types: Types, node: onnx.NodeProto,
                values: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The node's inputs if all are known (stand-ins for shape-only inputs); else None."""
         if _is_output_identity(graph, node, values):
             return None  # already the canonical form of a constant graph output
+        shape_only = node.op_type in ("Shape", "Size") and node.domain in _DEFAULT_DOMAINS
         feeds = {}
-        for name in node.input:
-            if not name:
-                continue
-            value = values.get(name)
-            if value is None:
-                value = _initializer_value(graph, name)
-            if value is None and node.op_type in ("Shape", "Size") and node.domain in _DEFAULT_DOMAINS:
-                value = _shape_stand_in(types, name)
-            if value is None:
+        for name in filter(None, node.input):
+            if name in values:
+                feeds[name] = values[name]
+            elif _is_constant_initializer(graph, name):
+                feeds[name] = None  # decoded below, once all inputs are known to be
+            elif shape_only and _static_shape(types, name) is not None:
+                feeds[name] = np.broadcast_to(np.zeros((), np.float32), _static_shape(types, name))
+            else:
                 return None
-            feeds[name] = value
-        return feeds
+        return {name: numpy_helper.to_array(graph.initializers[name]) if value is None else value
+                for name, value in feeds.items()}
 
     def _rewrite(self, graph: Graph, folded: list[onnx.NodeProto],
                  values: dict[str, np.ndarray]) -> Rewrite:
@@ -103,7 +105,7 @@ class FoldConstants(Pass):
         return Rewrite(remove=folded, add=identities, initializers=initializers)
 
 
-def _refusal(types: dict[str, onnx.TypeProto.Tensor], node: onnx.NodeProto, feeds: dict[str, np.ndarray]) -> str | None:
+def _refusal(types: Types, node: onnx.NodeProto, feeds: dict[str, np.ndarray]) -> str | None:
     """Why `node` must not be folded before evaluating it, or None."""
     if node.domain not in _DEFAULT_DOMAINS:
         return "other domain"
@@ -120,7 +122,7 @@ def _refusal(types: dict[str, onnx.TypeProto.Tensor], node: onnx.NodeProto, feed
     return _too_large(node, feeds, sizes)
 
 
-def _evaluate(types: dict[str, onnx.TypeProto.Tensor], node: onnx.NodeProto, feeds: dict[str, np.ndarray],
+def _evaluate(types: Types, node: onnx.NodeProto, feeds: dict[str, np.ndarray],
               opsets: dict[str, int]) -> tuple[dict[str, np.ndarray] | None, str | None]:
     """The node's outputs by name, or None and why not."""
     if node.domain:
@@ -149,22 +151,21 @@ def _evaluate(types: dict[str, onnx.TypeProto.Tensor], node: onnx.NodeProto, fee
 def _too_large(node: onnx.NodeProto, feeds: dict[str, np.ndarray], sizes: list[int]) -> str | None:
     if node.op_type == "Constant":
         return None  # its tensor is in the model already
-    stored = sum(v.size for v in feeds.values())
+    stored = sum(v.size for v in feeds.values())  # Shape stand-ins only make this larger
     if any(size > MAX_GROWN_ELEMENTS and size > stored for size in sizes):
         return f"result over {MAX_GROWN_ELEMENTS} elements"
     return None
 
 
-def _initializer_value(graph: Graph, name: str) -> np.ndarray | None:
+def _is_constant_initializer(graph: Graph, name: str) -> bool:
     tensor = graph.initializers.get(name)
-    if tensor is None or name in graph.inputs:
-        return None
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        return None  # not loaded: the bytes are in a file this pass has no path to
-    return numpy_helper.to_array(tensor)
+    # An initializer that is also an input is a default the caller may override. External data
+    # not loaded is in a file this pass has no path to.
+    return (tensor is not None and name not in graph.inputs
+            and tensor.data_location != onnx.TensorProto.EXTERNAL)
 
 
-def _tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
+def _tensor_types(model: onnx.ModelProto) -> Types:
     """Declared tensor types by value name, indexed once (Graph.shape scans per lookup)."""
     graph = model.graph
     return {info.name: info.type.tensor_type
@@ -172,7 +173,7 @@ def _tensor_types(model: onnx.ModelProto) -> dict[str, onnx.TypeProto.Tensor]:
             if info.type.HasField("tensor_type")}
 
 
-def _static_shape(types: dict[str, onnx.TypeProto.Tensor], name: str) -> list[int] | None:
+def _static_shape(types: Types, name: str) -> list[int] | None:
     tensor = types.get(name)
     if tensor is None or not tensor.HasField("shape"):
         return None
@@ -181,17 +182,10 @@ def _static_shape(types: dict[str, onnx.TypeProto.Tensor], name: str) -> list[in
     return [d.dim_value for d in tensor.shape.dim]
 
 
-def _shape_stand_in(types: dict[str, onnx.TypeProto.Tensor], name: str) -> np.ndarray | None:
-    """A zero-copy tensor of `name`'s static shape, for evaluating Shape and Size."""
-    shape = _static_shape(types, name)
-    return None if shape is None else np.broadcast_to(np.zeros((), np.float32), shape)
-
-
 def _is_output_identity(graph: Graph, node: onnx.NodeProto, values: dict[str, np.ndarray]) -> bool:
     if node.op_type != "Identity" or node.output[0] not in graph.outputs:
         return False
-    source = node.input[0]
-    return source in values or (source in graph.initializers and source not in graph.inputs)
+    return node.input[0] in values or _is_constant_initializer(graph, node.input[0])
 
 
 def _histogram(ops: Counter) -> str:

@@ -28,8 +28,7 @@ import numpy as np
 import onnx
 
 from llmc.passes.base import PassResult, RewritePass
-from llmc.passes.graph import Graph, Rewrite
-from llmc.passes.opsets import require_opset
+from llmc.passes.graph import Graph, Rewrite, attr
 
 # A Where fill value at or below this acts as "masked out" after softmax.
 _MASKED = -1e4
@@ -38,11 +37,11 @@ _MASKED = -1e4
 class FuseAttention(RewritePass):
     name = "fuse-attention"
     anchors = ("Softmax",)
+    opset = 23
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         result = super().run(model)
         if result.matches:
-            require_opset(result.model, 23)
             result.notes.append("target: ONNX Attention-23 (onnxruntime CPU kernel; TensorRT parser)")
         return result
 
@@ -51,8 +50,9 @@ class FuseAttention(RewritePass):
             return None
         matched = [softmax]
         probs = softmax.output[0]
-        cast = graph.only_consumer(probs)
-        if cast is not None and cast.op_type == "Cast" and _same_float_cast(graph, cast):
+        # Same-type Casts (softmax(..., dtype=float32).to(dtype) in Hugging Face models) are no-ops.
+        while (cast := graph.only_consumer(probs)) is not None and cast.op_type == "Cast" \
+                and _same_float_cast(graph, cast):
             matched.append(cast)
             probs = cast.output[0]
         pv = graph.only_consumer(probs)
@@ -70,7 +70,7 @@ class FuseAttention(RewritePass):
         matched.append(qk)
         query = qk.input[0]
         transpose = graph.producer_of(qk.input[1], "Transpose")
-        if transpose is None or list(_attr(transpose, "perm", [])) != [0, 1, 3, 2]:
+        if transpose is None or list(attr(transpose, "perm", [])) != [0, 1, 3, 2]:
             return None
         matched.append(transpose)
         key = _strip_repeat(graph, transpose.input[0], matched)
@@ -143,7 +143,7 @@ def _strip_repeat(graph: Graph, name: str, matched: list) -> str:
     unsqueeze = expand and graph.producer_of(expand.input[0], "Unsqueeze")
     if unsqueeze is None:
         return name
-    axes = graph.constant(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else _attr(unsqueeze, "axes", None)
+    axes = graph.constant(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else attr(unsqueeze, "axes", None)
     if axes is None or list(np.ravel(axes)) != [2]:
         return name
     matched.extend([reshape, expand, unsqueeze])
@@ -153,7 +153,7 @@ def _strip_repeat(graph: Graph, name: str, matched: list) -> str:
 def _split_cache(graph: Graph, name: str, matched: list) -> tuple[str, str | None, str | None]:
     """(new tokens, past, present) for a cache Concat(past, new, axis=2); else (name, None, None)."""
     concat = graph.producer_of(name, "Concat")
-    if concat is None or len(concat.input) != 2 or _attr(concat, "axis", None) not in (2, -2):
+    if concat is None or len(concat.input) != 2 or attr(concat, "axis", None) not in (2, -2):
         return name, None, None
     past, new = concat.input
     if past not in graph.inputs:
@@ -163,16 +163,10 @@ def _split_cache(graph: Graph, name: str, matched: list) -> tuple[str, str | Non
 
 
 def _is_last_axis(graph: Graph, node: onnx.NodeProto, value: str) -> bool:
-    axis = _attr(node, "axis", -1)
+    axis = attr(node, "axis", -1)
     return axis == -1 or axis == (graph.rank(value) or 0) - 1
 
 
 def _same_float_cast(graph: Graph, cast: onnx.NodeProto) -> bool:
-    return graph.elem_type(cast.input[0]) == _attr(cast, "to", None)
+    return graph.elem_type(cast.input[0]) == attr(cast, "to", None)
 
-
-def _attr(node: onnx.NodeProto, name: str, default):
-    for attr in node.attribute:
-        if attr.name == name:
-            return onnx.helper.get_attribute_value(attr)
-    return default

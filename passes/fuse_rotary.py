@@ -24,8 +24,7 @@ import numpy as np
 import onnx
 
 from llmc.passes.base import PassResult, RewritePass
-from llmc.passes.graph import Graph, Rewrite
-from llmc.passes.opsets import require_opset
+from llmc.passes.graph import Graph, Rewrite, attr
 
 _HALF_PRESERVING = ("Cos", "Sin", "Cast", "Identity")
 
@@ -33,11 +32,11 @@ _HALF_PRESERVING = ("Cos", "Sin", "Cast", "Identity")
 class FuseRotary(RewritePass):
     name = "fuse-rotary"
     anchors = ("Add",)
+    opset = 23
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         result = super().run(model)
         if result.matches:
-            require_opset(result.model, 23)
             result.notes.append("target: ONNX RotaryEmbedding-23, rotate-half, 3-D cos/sin cache")
         return result
 
@@ -68,7 +67,7 @@ def _match(graph: Graph, cos_mul: onnx.NodeProto, sin_mul: onnx.NodeProto):
     """(x, cos table, sin table, rotate-half nodes) if the two Muls form rotary; else None."""
     for rotated, sin in (sin_mul.input, sin_mul.input[::-1]):
         concat = graph.producer_of(rotated, "Concat")
-        if concat is None or len(concat.input) != 2 or _attr(concat, "axis") not in (-1, 3):
+        if concat is None or len(concat.input) != 2 or attr(concat, "axis") not in (-1, 3):
             continue
         neg = graph.producer_of(concat.input[0], "Neg")
         second = neg and graph.producer_of(neg.input[0], "Slice")
@@ -94,7 +93,7 @@ def _half_table(graph: Graph, table: str, half: int):
     unsqueeze = graph.producer_of(table, "Unsqueeze")
     if unsqueeze is None:
         return None
-    axes = graph.constant(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else _attr(unsqueeze, "axes")
+    axes = graph.constant(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else attr(unsqueeze, "axes")
     if axes is None or list(np.ravel(axes)) != [1]:
         return None
     full = unsqueeze.input[0]
@@ -121,14 +120,14 @@ def _halves_equal(graph: Graph, name: str, half: int) -> bool:
             name = node.input[1]
         elif node.op_type == "Concat":
             return (len(node.input) == 2 and node.input[0] == node.input[1]
-                    and _attr(node, "axis") in (-1, (graph.rank(name) or 0) - 1))
+                    and attr(node, "axis") in (-1, (graph.rank(name) or 0) - 1))
         elif node.op_type in ("Gather", "GatherND"):
             # Gathering rows (Gather on axis 0, or GatherND with one index per row, as the
             # dynamo exporter writes cache[position_ids]) leaves the last axis as it was.
             cache = graph.constant(node.input[0])
             index_shape = graph.shape(node.input[1]) or []
-            rows = (_attr(node, "axis", 0) == 0 if node.op_type == "Gather"
-                    else _attr(node, "batch_dims", 0) == 0 and index_shape[-1:] == [1])
+            rows = (attr(node, "axis", 0) == 0 if node.op_type == "Gather"
+                    else attr(node, "batch_dims", 0) == 0 and index_shape[-1:] == [1])
             return (cache is not None and rows and cache.ndim >= 2 and cache.shape[-1] == 2 * half
                     and np.array_equal(cache[..., :half], cache[..., half:]))
         else:
@@ -149,9 +148,3 @@ def _is_slice(graph: Graph, node: onnx.NodeProto, start: int, end: int | None, d
     end_ok = actual_end >= dim if end is None else actual_end == end
     return int(np.ravel(starts)[0]) == start and end_ok
 
-
-def _attr(node: onnx.NodeProto, name: str, default=None):
-    for attr in node.attribute:
-        if attr.name == name:
-            return onnx.helper.get_attribute_value(attr)
-    return default

@@ -147,6 +147,7 @@ class Graph:
         if removed & claimed:
             return True
         kept = {name for node in rewrite.add for name in node.output}
+        kept |= {tensor.name for tensor in rewrite.initializers}  # a value replaced by a constant
         for node in rewrite.remove:
             for name in node.output:
                 if not name or name in kept:
@@ -191,6 +192,14 @@ class Graph:
         del self.graph.node[:]
         self.graph.node.extend(ordered)
         self.reindex()
+
+
+def attr(node: onnx.NodeProto, name: str, default=None):
+    """The value of a node attribute, or `default` when absent."""
+    for attribute in node.attribute:
+        if attribute.name == name:
+            return onnx.helper.get_attribute_value(attribute)
+    return default
 
 
 def toposort(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:

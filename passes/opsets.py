@@ -1,41 +1,46 @@
 """Raising a model's opset imports when a fusion emits a newer op.
 
-Going from default-domain opset 18–22 to 23 changes the semantics of no op an LLM graph uses
-(opsets 21–23 add types, and GroupNormalization-21 changes its scale shape, so a graph holding
-GroupNormalization is refused rather than silently reinterpreted).
+The default domain is upgraded with onnx's version converter, which rewrites the ops whose
+signatures changed on the way (e.g. ReduceMean's axes moving from attribute to input in 18);
+other domains just get their import added or raised.
 """
 
 from __future__ import annotations
 
 import onnx
+import onnx.version_converter
 
+from llmc.compiler.onnx_io import transform_without_weights
 from llmc.errors import LlmcError
 
-_CHANGED_SEMANTICS = {"GroupNormalization": 21}
 
-
-def require_opset(model: onnx.ModelProto, version: int, domain: str = "") -> None:
-    """Make `model` import `domain` at `version` or later.
+def require_opset(model: onnx.ModelProto, version: int, domain: str = "") -> onnx.ModelProto:
+    """Return `model` importing `domain` at `version` or later (the same object when possible).
 
     Args:
-        model: the model to update in place.
+        model: the model.
         version: the lowest opset the new nodes need.
         domain: "" for the default ONNX domain, e.g. "com.microsoft" for onnxruntime's ops.
     """
-    for opset in model.opset_import:
-        if opset.domain in (domain, "ai.onnx" if domain == "" else domain):
-            if opset.version >= version:
-                return
-            if domain == "":
-                for node in model.graph.node:
-                    since = _CHANGED_SEMANTICS.get(node.op_type)
-                    if node.domain in ("", "ai.onnx") and since and opset.version < since <= version:
-                        raise LlmcError(f"node '{node.name}': {node.op_type} changes meaning between "
-                                        f"opset {opset.version} and {version}; not upgrading")
-            opset.version = version
-            break
-    else:
-        model.opset_import.append(onnx.helper.make_opsetid(domain, version))
-    if domain == "":
-        needed = onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid("", version)])
-        model.ir_version = max(model.ir_version, needed)
+    current = {("" if o.domain == "ai.onnx" else o.domain): o for o in model.opset_import}
+    if domain in current and current[domain].version >= version:
+        return model
+    if domain != "":
+        if domain in current:
+            current[domain].version = version
+        else:
+            model.opset_import.append(onnx.helper.make_opsetid(domain, version))
+        return model
+    try:
+        converted = transform_without_weights(
+            model, lambda m: onnx.version_converter.convert_version(m, version))
+    except Exception as exc:  # the converter raises bare RuntimeErrors naming the op
+        raise LlmcError(f"cannot upgrade the graph to opset {version}: "
+                        f"{str(exc).strip().splitlines()[0][:200]}") from None
+    model.CopyFrom(converted)
+    return model
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's default-domain opset version (0 when it imports none)."""
+    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)

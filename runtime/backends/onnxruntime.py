@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 
+import os
+import tempfile
+
 import numpy as np
 import onnxruntime as ort
 
@@ -10,6 +13,23 @@ from llmc.compiler.decoder_interface import Geometry
 from llmc.compiler.engine_file import EngineFile
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+def open_session(files: dict, folder: str, options: ort.SessionOptions) -> ort.InferenceSession:
+    """A CPU session over a serialized model: from memory, or, with external data, from files.
+
+    Args:
+        files: "model.onnx" bytes, plus "model.onnx.data" for models past 2 GB.
+        folder: where to unpack the files when there is external data (must outlive the call).
+        options: session options.
+    """
+    if "model.onnx.data" not in files:
+        return ort.InferenceSession(bytes(files["model.onnx"]), options, providers=["CPUExecutionProvider"])
+    for name, data in files.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+    return ort.InferenceSession(os.path.join(folder, "model.onnx"), options,
+                                providers=["CPUExecutionProvider"])
 
 
 class OnnxRuntimeDecoder:
@@ -29,8 +49,10 @@ class OnnxRuntimeDecoder:
         if threads:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3
-        self.session = ort.InferenceSession(bytes(engine.sections["model.onnx"]), options,
-                                            providers=["CPUExecutionProvider"])
+        files = {name: engine.sections[name] for name in ("model.onnx", "model.onnx.data")
+                 if name in engine.sections}
+        self._unpacked = tempfile.TemporaryDirectory(prefix="llmc-engine-")
+        self.session = open_session(files, self._unpacked.name, options)
         layers = range(self.geometry.num_layers)
         self._past_names = [f"past_key_values.{i}.{p}" for i in layers for p in ("key", "value")]
         # Ask for outputs by name: graphs from other exporters may order them differently.
