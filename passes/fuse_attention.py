@@ -2,17 +2,19 @@
 
 Matches, anchored on Softmax over the last axis::
 
-    scores = MatMul(Q, Transpose(repeat(K), perm=[0, 1, 3, 2]))
-    scores = scores · scale | scores / scale                      (optional, scalar constant)
-    scores = Where(cond, scores, very_negative) | scores + mask   (optional)
-    out    = MatMul(Cast?(Softmax(scores)), repeat(V))
+    scores = MatMul(Q, Kᵀ)          Kᵀ = Transpose(repeat(K), perm=[0, 1, 3, 2]), or SDPA's
+                                      Reshape(Transpose(Reshape(repeat(K)), perm=[0, 2, 1]))
+    scores = scores · scale | scores / scale | MatMul(Q · a, Kᵀ · b)   (scalar constants)
+    scores = Where(cond, scores, very_negative) | scores + mask         (optional)
+    probs  = Softmax(scores), then any same-type Casts and SDPA's Where(IsNaN(p), 0, p)
+    out    = MatMul(probs, repeat(V))
 
 where K and V are ``Concat(past, new, axis=2)`` with the past a graph input (the cache), and
 `repeat` is the grouped-query expansion ``Reshape(Expand(Unsqueeze(x, 2)))`` or absent. The result
 is ``Attention(Q, K_new, V_new, mask, past_key, past_value)`` producing the present tensors under
 their original names, with grouped-query attention left to the op. A boolean ``Where`` mask
-becomes an additive float mask with the same very negative value, so fully padded rows stay
-finite (a boolean mask would give NaN there and poison later layers).
+becomes an additive float mask with the same very negative value, and a −inf additive mask gets
+a finite twin, so fully padded rows stay finite (NaN there would poison later layers).
 
 Target: ONNX Attention-23 for every backend — onnxruntime runs it on CPU (the fastest form
 measured, see DESIGN.md) and it is the standard op TensorRT's ONNX parser maps to its own
@@ -49,12 +51,7 @@ class FuseAttention(RewritePass):
         if not _is_last_axis(graph, softmax, softmax.input[0]):
             return None
         matched = [softmax]
-        probs = softmax.output[0]
-        # Same-type Casts (softmax(..., dtype=float32).to(dtype) in Hugging Face models) are no-ops.
-        while (cast := graph.only_consumer(probs)) is not None and cast.op_type == "Cast" \
-                and _same_float_cast(graph, cast):
-            matched.append(cast)
-            probs = cast.output[0]
+        probs = _skip_probability_noops(graph, softmax.output[0], matched)
         pv = graph.only_consumer(probs)
         if pv is None or pv.op_type != "MatMul" or pv.input[0] != probs:
             return None
@@ -68,12 +65,16 @@ class FuseAttention(RewritePass):
         if qk is None:
             return None
         matched.append(qk)
-        query = qk.input[0]
-        transpose = graph.producer_of(qk.input[1], "Transpose")
-        if transpose is None or list(attr(transpose, "perm", [])) != [0, 1, 3, 2]:
+        query, key_t = qk.input
+        if scale is None:
+            # SDPA exports scale both sides by √scale: MatMul(q · a, kᵀ · b).
+            query, a = _strip_scale(graph, query, matched)
+            key_t, b = _strip_scale(graph, key_t, matched)
+            scale = (a or 1.0) * (b or 1.0)
+        key = _untransposed(graph, key_t, matched)
+        if key is None:
             return None
-        matched.append(transpose)
-        key = _strip_repeat(graph, transpose.input[0], matched)
+        key = _strip_repeat(graph, key, matched)
         value = _strip_repeat(graph, pv.input[1], matched)
         if graph.rank(query) != 4 or graph.rank(key) != 4 or graph.rank(value) != 4:
             return None
@@ -82,8 +83,6 @@ class FuseAttention(RewritePass):
         value_new, past_value, present_value = _split_cache(graph, value, matched)
         if (past_key is None) != (past_value is None):
             return None
-        if scale is None:
-            scale = 1.0
 
         inputs = [query, key_new, value_new, mask or ""]
         outputs = [pv.output[0]]
@@ -92,6 +91,50 @@ class FuseAttention(RewritePass):
             outputs += [present_key, present_value]
         attention = graph.node("Attention", inputs, outputs, scale=float(scale))
         return Rewrite(matched, mask_nodes + [attention], mask_initializers)
+
+
+def _skip_probability_noops(graph: Graph, probs: str, matched: list) -> str:
+    """Step over what leaves softmax's output unchanged: same-type Casts (Hugging Face's
+    softmax(dtype=float32).to(dtype)) and SDPA's Where(IsNaN(p), 0, p)."""
+    while True:
+        users = graph.consumers.get(probs, [])
+        if len(users) == 1 and users[0].op_type == "Cast" and _same_float_cast(graph, users[0]):
+            matched.append(users[0])
+            probs = users[0].output[0]
+            continue
+        isnan = next((u for u in users if u.op_type == "IsNaN"), None)
+        where = next((u for u in users if u.op_type == "Where"), None)
+        if (len(users) == 2 and isnan and where and list(where.input) ==
+                [isnan.output[0], where.input[1], probs] and graph.scalar(where.input[1]) == 0.0
+                and graph.only_consumer(isnan.output[0]) is where):
+            matched.extend([isnan, where])
+            probs = where.output[0]
+            continue
+        return probs
+
+
+def _untransposed(graph: Graph, key_t: str, matched: list) -> str | None:
+    """K from Kᵀ: Transpose(K, perm=[0, 1, 3, 2]), or the dynamo SDPA spelling
+    Reshape(Transpose(Reshape(K, [-1, T, d]), perm=[0, 2, 1]), [B, H, d, T])."""
+    transpose = graph.producer_of(key_t, "Transpose")
+    if transpose is not None and list(attr(transpose, "perm", [])) == [0, 1, 3, 2]:
+        matched.append(transpose)
+        return transpose.input[0]
+    outer = graph.producer_of(key_t, "Reshape")
+    transpose = outer and graph.producer_of(outer.input[0], "Transpose")
+    inner = transpose and graph.producer_of(transpose.input[0], "Reshape")
+    if inner is None or list(attr(transpose, "perm", [])) != [0, 2, 1]:
+        return None
+    key = inner.input[0]
+    key_shape, flat_shape, out_shape = graph.shape(key), graph.shape(inner.output[0]), graph.shape(key_t)
+    if key_shape is None or flat_shape is None or out_shape is None:
+        return None
+    head_dim = key_shape[-1]
+    if (len(key_shape), len(flat_shape), len(out_shape)) != (4, 3, 4) or not isinstance(head_dim, int) \
+            or flat_shape[-1] != head_dim or out_shape[2] != head_dim:
+        return None
+    matched.extend([outer, transpose, inner])
+    return key
 
 
 def _strip_mask(graph: Graph, name: str, matched: list):
@@ -119,8 +162,22 @@ def _strip_mask(graph: Graph, name: str, matched: list):
         if graph.producer_of(scores, "Mul", "Div", "MatMul") is None or graph.rank(mask) not in (2, 3, 4):
             return None, [], [], None
         matched.append(add)
-        return scores, [], [], mask
+        return (scores, *_finite_mask(graph, mask))
     return name, [], [], None
+
+
+def _finite_mask(graph: Graph, mask: str):
+    """(new nodes, new initializers, mask): a Where(cond, 0, -inf) mask gets a finite twin, so a
+    fully masked row gives a uniform softmax instead of NaN (which would spread to later layers)."""
+    where = graph.producer_of(mask, "Where")
+    fill = where and graph.scalar(where.input[2])
+    if fill is None or fill != -np.inf or graph.scalar(where.input[1]) != 0.0:
+        return [], [], mask
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(graph.elem_type(mask) or onnx.TensorProto.FLOAT)
+    zero = graph.initializer("attn_mask_zero", np.zeros((), dtype))
+    lowest = graph.initializer("attn_mask_fill", np.array(np.finfo(dtype).min, dtype))
+    finite = graph.node("Where", [where.input[0], zero.name, lowest.name])
+    return [finite], [zero, lowest], finite.output[0]
 
 
 def _strip_scale(graph: Graph, name: str, matched: list) -> tuple[str, float | None]:

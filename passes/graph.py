@@ -154,9 +154,23 @@ class Graph:
                     continue
                 if name in self.outputs:
                     return True
-                if any(id(user) not in removed for user in self.consumers.get(name, [])):
+                if any(id(user) not in removed and not self._feeds_only(user, removed)
+                       for user in self.consumers.get(name, [])):
                     return True
         return False
+
+    def _feeds_only(self, node: onnx.NodeProto, removed: set[int], depth: int = 6) -> bool:
+        """Whether everything `node` computes is read only by `removed` nodes (directly or
+        through a short chain), so it dies with them — e.g. a Shape feeding a removed Reshape."""
+        if depth == 0:
+            return False
+        for name in node.output:
+            if name in self.outputs:
+                return False
+            for user in self.consumers.get(name, []):
+                if id(user) not in removed and not self._feeds_only(user, removed, depth - 1):
+                    return False
+        return True
 
     def apply(self, rewrites: list[Rewrite]) -> None:
         """Commit accepted rewrites, then remove dead nodes and initializers and re-sort."""
