@@ -8,7 +8,12 @@ from llmc.passes.eliminate_dead_code import EliminateDeadCode
 from llmc.passes.fold_constants import FoldConstants
 from llmc.passes.fold_static_dims import FoldStaticDims
 from llmc.passes.fuse_attention import FuseAttention
+from llmc.passes.fuse_gelu import FuseGelu
+from llmc.passes.fuse_layer_norm import FuseLayerNorm
+from llmc.passes.fuse_rms_norm import FuseRmsNorm
 from llmc.passes.fuse_rotary import FuseRotary
+from llmc.passes.fuse_silu import FuseSilu
+from llmc.passes.fuse_skip_norm import FuseSkipNorm
 from llmc.passes.merge_sibling_matmuls import MergeSiblingMatMuls
 
 _ALL: list[type[Pass]] = [
@@ -16,9 +21,14 @@ _ALL: list[type[Pass]] = [
     FoldStaticDims,
     EliminateCommonSubexpressions,
     EliminateDeadCode,
+    FuseLayerNorm,
+    FuseRmsNorm,
+    FuseGelu,
     FuseRotary,
     FuseAttention,
     MergeSiblingMatMuls,
+    FuseSilu,
+    FuseSkipNorm,
 ]
 
 PASSES: dict[str, type[Pass]] = {}
