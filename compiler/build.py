@@ -19,7 +19,7 @@ import llmc
 from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_file import write_engine
 from llmc.compiler.onnx_io import check_model, infer_shapes, load_onnx, serialize
-from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize
+from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, resolve
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
 
@@ -46,6 +46,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     onnx_path = Path(onnx_path)
     if backend not in BACKENDS:
         raise LlmcError(f"--backend: unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    resolve(level, passes)  # a bad option fails before the model is read
     model = load_onnx(onnx_path)
     _validate(model, onnx_path)
     interface = recognize_decoder(model, onnx_path)

@@ -151,6 +151,7 @@ def optimize_file(source: str | os.PathLike, output: str | os.PathLike, *, level
         level, passes, verify, progress: as for `optimize`.
         report: optional JSON file for the per-pass report.
     """
+    resolve(level, passes)  # a bad option fails before the model is read
     model = load_onnx(source)
     model, entries = optimize(model, level=level, passes=passes, verify=verify, progress=progress)
     save_onnx(model, output)
