@@ -41,6 +41,8 @@ PORTABLE_FUSIONS = [
     # as they reach the MatMul.
     "fuse-rotary",
     "fuse-attention",
+    # Needs the fused Attention and RotaryEmbedding nodes to re-layout.
+    "attention-3d-layout",
     "merge-sibling-matmuls",
 ]
 

@@ -56,6 +56,7 @@ class Graph:
         self.initializers = {t.name: t for t in self.graph.initializer}
         self.outputs = {o.name for o in self.graph.output}
         self.inputs = {i.name for i in self.graph.input}
+        self.node_names = {n.name for n in self.graph.node}
 
     # --- lookups ---------------------------------------------------------------------------
 
@@ -121,10 +122,11 @@ class Graph:
     # --- building --------------------------------------------------------------------------
 
     def fresh(self, prefix: str) -> str:
-        """A value or node name not used in the graph."""
+        """A value or node name not used in the graph (nor handed out before)."""
         while True:
             name = f"{prefix}_{next(self._names)}"
-            if name not in self.producer and name not in self.initializers and name not in self.inputs:
+            if not (name in self.producer or name in self.initializers or name in self.inputs
+                    or name in self.node_names):
                 return name
 
     def initializer(self, prefix: str, value: np.ndarray) -> onnx.TensorProto:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from llmc.passes.attention_3d_layout import Attention3dLayout
 from llmc.passes.base import Pass
 from llmc.passes.eliminate_common_subexpressions import EliminateCommonSubexpressions
 from llmc.passes.eliminate_dead_code import EliminateDeadCode
@@ -26,6 +27,7 @@ _ALL: list[type[Pass]] = [
     FuseGelu,
     FuseRotary,
     FuseAttention,
+    Attention3dLayout,
     MergeSiblingMatMuls,
     FuseSilu,
     FuseSkipNorm,
