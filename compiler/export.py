@@ -16,7 +16,6 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -111,7 +110,7 @@ def _to_onnx(model: torch.nn.Module, geometry: Geometry) -> onnx.ModelProto:
     cache_shapes = tuple({0: batch, 2: past} for _ in range(2 * geometry.num_layers))
     shapes = ({0: batch, 1: seq}, {0: batch, 1: mask_len}, {0: batch, 1: seq}, cache_shapes)
     input_names, output_names = io_names(geometry.num_layers)
-    with warnings.catch_warnings(), _quiet_exporter():
+    with warnings.catch_warnings(), quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(_FlatDecoder(model).eval(), tuple(inputs.values()),
                                     dynamo=True, input_names=input_names,
@@ -182,7 +181,7 @@ def _name_dynamic_dims(proto: onnx.ModelProto) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_exporter():
+def quiet_exporter():
     """The dynamo exporter prints banners for every stage and logs at INFO; keep stdout clean."""
     logger = logging.getLogger("torch.onnx")
     level = logger.level

@@ -45,6 +45,8 @@ class RewritePass(Pass):
     anchor_domain: str = ""
     # The default-domain opset the emitted ops need; the model is upgraded only on a match.
     opset: int | None = None
+    # The op this pass emits and why, reported when it matched (the per-backend choice).
+    target: str = ""
 
     def rewrite(self, graph: Graph, anchor: onnx.NodeProto) -> Rewrite | None:
         raise NotImplementedError
@@ -69,6 +71,8 @@ class RewritePass(Pass):
             accepted = self._match(graph)
         if accepted:
             graph.apply(accepted)
+            if self.target:
+                notes.append(f"target: {self.target}")
         return PassResult(model, len(accepted), notes)
 
     def _match(self, graph: Graph) -> list[Rewrite]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from llmc.passes.base import PassResult, RewritePass
+from llmc.passes.base import RewritePass
 from llmc.passes.graph import Graph, Rewrite, attr
 
 # A Where fill value at or below this acts as "masked out" after softmax.
@@ -40,12 +40,7 @@ class FuseAttention(RewritePass):
     name = "fuse-attention"
     anchors = ("Softmax",)
     opset = 23
-
-    def run(self, model: onnx.ModelProto) -> PassResult:
-        result = super().run(model)
-        if result.matches:
-            result.notes.append("target: ONNX Attention-23 (onnxruntime CPU kernel; TensorRT parser)")
-        return result
+    target = "ONNX Attention-23 (onnxruntime CPU kernel; TensorRT parser)"
 
     def rewrite(self, graph: Graph, softmax: onnx.NodeProto) -> Rewrite | None:
         if not _is_last_axis(graph, softmax, softmax.input[0]):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from llmc.passes.base import PassResult, RewritePass
+from llmc.passes.base import RewritePass
 from llmc.passes.graph import Graph, Rewrite, attr
 
 _HALF_PRESERVING = ("Cos", "Sin", "Cast", "Identity")
@@ -33,12 +33,7 @@ class FuseRotary(RewritePass):
     name = "fuse-rotary"
     anchors = ("Add",)
     opset = 23
-
-    def run(self, model: onnx.ModelProto) -> PassResult:
-        result = super().run(model)
-        if result.matches:
-            result.notes.append("target: ONNX RotaryEmbedding-23, rotate-half, 3-D cos/sin cache")
-        return result
+    target = "ONNX RotaryEmbedding-23, rotate-half, 3-D cos/sin cache"
 
     def rewrite(self, graph: Graph, add: onnx.NodeProto) -> Rewrite | None:
         for cos_mul_name, sin_mul_name in (add.input, add.input[::-1]):

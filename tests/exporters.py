@@ -26,9 +26,7 @@ sys.path).
 
 from __future__ import annotations
 
-import contextlib
 import io
-import logging
 import warnings
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
 from llmc.compiler.decoder_interface import Geometry, geometry_metadata
-from llmc.compiler.export import io_names
+from llmc.compiler.export import io_names, quiet_exporter
 from llmc.compiler.onnx_io import save_onnx
 from llmc.tokenizer import Tokenizer
 
@@ -75,7 +73,7 @@ def export_decoder(folder: Path, exporter: str, output: Path, *, attention: str 
     geometry = hf_geometry(model.config)
     wrapper = FlatCacheDecoder(model).eval()
     example = _example_inputs(geometry)
-    with warnings.catch_warnings(), _quiet_exporter(), torch.no_grad():
+    with warnings.catch_warnings(), quiet_exporter(), torch.no_grad():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
             proto = _export_dynamo(wrapper, example, geometry)
@@ -198,16 +196,3 @@ def _name_dynamic_dims(proto: onnx.ModelProto) -> None:
             dim = value.type.tensor_type.shape.dim[axis]
             if not dim.HasField("dim_value"):
                 dim.dim_param = name
-
-
-@contextlib.contextmanager
-def _quiet_exporter():
-    """The exporters print banners and log at INFO/WARNING; keep the test output clean."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        logger.setLevel(level)

@@ -4,7 +4,6 @@ import json
 import shutil
 import struct
 import subprocess
-import sys
 
 import onnx
 import pytest

@@ -1,6 +1,5 @@
 """Reference generation through the Python API, against PyTorch recomputing the whole sequence."""
 
-import numpy as np
 import pytest
 import torch
 
