@@ -18,7 +18,7 @@ import onnx
 import llmc
 from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_file import write_engine
-from llmc.compiler.onnx_io import check_model, infer_shapes, load_onnx, serialize
+from llmc.compiler.onnx_io import load_onnx, serialize, validate
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, resolve
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
@@ -48,7 +48,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         raise LlmcError(f"--backend: unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
     resolve(level, passes)  # a bad option fails before the model is read
     model = load_onnx(onnx_path)
-    _validate(model, onnx_path)
+    validate(model, onnx_path)
     interface = recognize_decoder(model, onnx_path)
     tok = _find_tokenizer(model, onnx_path, tokenizer)
     if tok.vocab_size > interface.geometry.vocab_size:
@@ -80,15 +80,6 @@ def _file_hash(path: Path) -> str:
                 for chunk in iter(lambda: f.read(1 << 24), b""):
                     digest.update(chunk)
     return digest.hexdigest()
-
-
-def _validate(model: onnx.ModelProto, source: Path) -> None:
-    try:
-        check_model(model)
-        infer_shapes(model, check_type=True, strict_mode=True)
-    except Exception as exc:  # checker and inference raise several types; all mean "invalid graph"
-        message = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise LlmcError(f"{source}: invalid ONNX graph: {message}") from None
 
 
 def _find_tokenizer(model: onnx.ModelProto, source: Path, explicit: str | os.PathLike | None) -> Tokenizer:

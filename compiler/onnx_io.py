@@ -133,6 +133,15 @@ def weights_set_aside(model: onnx.ModelProto):
                 tensor.raw_data = stashed[tensor.name]
 
 
+def validate(model: onnx.ModelProto, source: Path) -> None:
+    """Reject a malformed graph (checker, strict typed shape inference) naming the file."""
+    try:
+        check_model(model)
+        infer_shapes(model, check_type=True, strict_mode=True)
+    except Exception as exc:  # checker and inference raise several types; all mean "invalid graph"
+        raise LlmcError(f"{source}: invalid ONNX graph: {_first_line(exc)}") from None
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write a text file through a temporary file and a rename."""
     path = Path(path)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import onnx
 
 from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
-from llmc.compiler.onnx_io import check_model, infer_shapes, load_onnx, save_onnx, write_text_atomic
+from llmc.compiler.onnx_io import (check_model, infer_shapes, load_onnx, save_onnx, validate,
+                                   write_text_atomic)
 from llmc.errors import LlmcError
 from llmc.passes.base import Pass
 from llmc.passes.registry import PASSES
@@ -155,6 +157,7 @@ def optimize_file(source: str | os.PathLike, output: str | os.PathLike, *, level
     """
     resolve(level, passes)  # a bad option fails before the model is read
     model = load_onnx(source)
+    validate(model, Path(source))
     model, entries = optimize(model, level=level, passes=passes, verify=verify, progress=progress)
     save_onnx(model, output)
     if report is not None:

@@ -27,6 +27,7 @@ _HEADS_TO_FRONT = [0, 2, 1, 3]
 class Attention3dLayout(RewritePass):
     name = "attention-3d-layout"
     anchors = ("Attention",)
+    target = "ONNX Attention-23 / RotaryEmbedding-23 on 3-D [batch, seq, heads·dim] inputs"
 
     def rewrite(self, graph: Graph, attention: onnx.NodeProto) -> Rewrite | None:
         if graph.rank(attention.input[0]) != 4:

@@ -47,6 +47,8 @@ class RewritePass(Pass):
     opset: int | None = None
     # The op this pass emits and why, reported when it matched (the per-backend choice).
     target: str = ""
+    # A non-default domain the emitted ops live in (e.g. "com.microsoft"), imported on a match.
+    domain: str | None = None
 
     def rewrite(self, graph: Graph, anchor: onnx.NodeProto) -> Rewrite | None:
         raise NotImplementedError
@@ -61,7 +63,7 @@ class RewritePass(Pass):
         if reason:
             return PassResult(model, 0, [reason])
         accepted = self._match(graph)
-        notes = []
+        notes = [] if accepted else [self._why_no_match(graph)]
         if accepted and self.opset and default_opset(model) < self.opset:
             # Upgrade first (the converter must not meet the new ops), then match again on the
             # upgraded graph, whose nodes the converter may have rewritten.
@@ -71,6 +73,8 @@ class RewritePass(Pass):
             accepted = self._match(graph)
         if accepted:
             graph.apply(accepted)
+            if self.domain:
+                require_opset(model, 1, self.domain)
             if self.target:
                 notes.append(f"target: {self.target}")
         return PassResult(model, len(accepted), notes)
@@ -78,14 +82,29 @@ class RewritePass(Pass):
     def _match(self, graph: Graph) -> list[Rewrite]:
         accepted: list[Rewrite] = []
         claimed: set[int] = set()
-        for node in list(graph.graph.node):
-            if node.op_type not in self.anchors or node.domain != self.anchor_domain:
-                continue
+        self._refused = 0
+        for node in self._anchors(graph):
             if id(node) in claimed:
                 continue
             rewrite = self.rewrite(graph, node)
-            if rewrite is None or graph.conflicts(rewrite, claimed):
+            if rewrite is None:
+                continue
+            if graph.conflicts(rewrite, claimed):
+                self._refused += 1
                 continue
             accepted.append(rewrite)
             claimed.update(id(n) for n in rewrite.remove)
         return accepted
+
+    def _anchors(self, graph: Graph) -> list[onnx.NodeProto]:
+        return [n for n in graph.graph.node if n.op_type in self.anchors and n.domain == self.anchor_domain]
+
+    def _why_no_match(self, graph: Graph) -> str:
+        """The report line for a pass that changed nothing."""
+        examined = len(self._anchors(graph))
+        if not examined:
+            return f"no match: no {'/'.join(self.anchors)} nodes"
+        if self._refused:
+            return (f"no match: {self._refused} pattern(s) found but left alone because values "
+                    "inside them are read elsewhere")
+        return f"no match: {examined} {'/'.join(self.anchors)} node(s) examined, none in the pattern"

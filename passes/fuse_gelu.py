@@ -40,6 +40,7 @@ class FuseGelu(RewritePass):
     name = "fuse-gelu"
     anchors = ("Mul", "Div")
     opset = 20
+    target = "ONNX Gelu-20 (erf or tanh approximation)"
 
     def rewrite(self, graph: Graph, root: onnx.NodeProto) -> Rewrite | None:
         outer = product(graph, root.output[0])

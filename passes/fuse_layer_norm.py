@@ -37,6 +37,7 @@ class FuseLayerNorm(RewritePass):
     name = "fuse-layer-norm"
     anchors = ("ReduceMean",)
     opset = 17
+    target = "ONNX LayerNormalization-17"
 
     def rewrite(self, graph: Graph, mean: onnx.NodeProto) -> Rewrite | None:
         x = mean.input[0]

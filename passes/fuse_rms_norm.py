@@ -45,6 +45,7 @@ class FuseRmsNorm(RewritePass):
     name = "fuse-rms-norm"
     anchors = ("ReduceMean",)
     opset = 23
+    target = "ONNX RMSNormalization-23 (as fast as onnxruntime's SimplifiedLayerNormalization on CPU, and standard)"
 
     def rewrite(self, graph: Graph, mean: onnx.NodeProto) -> Rewrite | None:
         squared = square_of(graph, mean.input[0])

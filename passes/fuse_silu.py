@@ -20,9 +20,8 @@ from __future__ import annotations
 import onnx
 
 from llmc.passes import contrib_ops
-from llmc.passes.base import PassResult, RewritePass
+from llmc.passes.base import RewritePass
 from llmc.passes.graph import Graph, Rewrite
-from llmc.passes.opsets import require_opset
 from llmc.passes.patterns import other_input, product
 
 DOMAIN = contrib_ops.DOMAIN
@@ -34,14 +33,8 @@ class FuseSilu(RewritePass):
 
     name = "fuse-silu"
     anchors = ("Mul",)
-
-    def run(self, model: onnx.ModelProto) -> PassResult:
-        imported = any(o.domain == DOMAIN for o in model.opset_import)
-        result = super().run(model)
-        if result.matches and not imported:
-            require_opset(result.model, 1, DOMAIN)
-            result.notes.append(f"imports {DOMAIN} opset 1")
-        return result
+    domain = DOMAIN
+    target = "com.microsoft QuickGelu(alpha=1) — onnxruntime only"
 
     def rewrite(self, graph: Graph, mul: onnx.NodeProto) -> Rewrite | None:
         for gate in dict.fromkeys(mul.input):

@@ -27,9 +27,8 @@ from __future__ import annotations
 import onnx
 
 from llmc.passes import contrib_ops
-from llmc.passes.base import PassResult, RewritePass
+from llmc.passes.base import RewritePass
 from llmc.passes.graph import Graph, Rewrite, attr
-from llmc.passes.opsets import require_opset
 from llmc.passes.patterns import constant_operand
 
 DOMAIN = contrib_ops.DOMAIN
@@ -44,14 +43,8 @@ class FuseSkipNorm(RewritePass):
 
     name = "fuse-skip-norm"
     anchors = ("RMSNormalization", "LayerNormalization")
-
-    def run(self, model: onnx.ModelProto) -> PassResult:
-        imported = any(o.domain == DOMAIN for o in model.opset_import)
-        result = super().run(model)
-        if result.matches and not imported:
-            require_opset(result.model, 1, DOMAIN)
-            result.notes.append(f"imports {DOMAIN} opset 1")
-        return result
+    domain = DOMAIN
+    target = "com.microsoft Skip(Simplified)LayerNormalization — onnxruntime only"
 
     def rewrite(self, graph: Graph, norm: onnx.NodeProto) -> Rewrite | None:
         if any(name for name in norm.output[1:]) or _axis(graph, norm) != -1:

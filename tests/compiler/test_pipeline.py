@@ -107,3 +107,26 @@ def test_compile_records_the_pipeline(tiny_llama_engine):
     assert manifest["build_options"]["passes"] == pipeline.PIPELINES["2"]
     attention = [e for e in manifest["optimization"] if e["pass"] == "fuse-attention"]
     assert attention == [{"pass": "fuse-attention", "matches": 4, "nodes_after": attention[0]["nodes_after"]}]
+
+
+def relu_model(path, *, broken=False):
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])
+    node = onnx.helper.make_node("Relu", ["x" if not broken else "nowhere"], ["y"])
+    onnx.save(onnx.helper.make_model(onnx.helper.make_graph([node], "g", [x], [y])), path)
+    return path
+
+
+def test_passes_that_do_not_apply_leave_the_graph_and_say_why(tmp_path):
+    entries = pipeline.optimize_file(relu_model(tmp_path / "relu.onnx"), tmp_path / "o.onnx", level=2)
+    notes = {e["pass"]: e["notes"] for e in entries}
+    assert notes["fuse-attention"] == ["no match: no Softmax nodes"]
+    assert notes["fuse-rms-norm"] == ["no match: no ReduceMean nodes"]
+    assert [n.op_type for n in onnx.load(tmp_path / "o.onnx").graph.node] == ["Relu"]
+
+
+def test_malformed_graph_is_refused_before_any_pass(tmp_path):
+    result = CliRunner().invoke(main, ["optimize", str(relu_model(tmp_path / "bad.onnx", broken=True)),
+                                       "-o", str(tmp_path / "o.onnx")])
+    assert result.exit_code == 2 and "bad.onnx: invalid ONNX graph" in result.stderr
+    assert not (tmp_path / "o.onnx").exists()

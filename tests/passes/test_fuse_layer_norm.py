@@ -88,7 +88,7 @@ def test_every_spelling(square, divide, weight, bias):
 def test_opset_13_graph_is_raised_to_17():
     result = run_pass(FuseLayerNorm(), ln_graph(axes_attr=True, opset=13))
     assert result.matches == 1 and opset(result.model) == 17
-    assert result.notes == ["opset 13 → 17"]
+    assert result.notes[0] == "opset 13 → 17" and "LayerNormalization-17" in result.notes[1]
 
 
 # --- what must not fuse --------------------------------------------------------------------------
