@@ -92,7 +92,12 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
     from llmc.compiler.build import compile_model
 
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
-                             passes=_pass_names(passes), verify=verify, progress=_progress)
+                             passes=_pass_names(passes), verify=verify)
+    steps = manifest["optimization"]
+    if steps:
+        fused = ", ".join(f"{e['pass']} {e['matches']}" for e in steps
+                          if e["matches"] and not e["pass"].startswith(("eliminate-", "fold-")))
+        click.echo(f"optimized: {manifest['source']['nodes']} → {steps[-1]['nodes_after']} nodes ({fused or 'no fusions'})")
     g = manifest["geometry"]
     click.echo(f"wrote {output}: {manifest['backend']}, {manifest['dtype']}, {g['num_layers']} layers, "
                f"vocab {g['vocab_size']}, {g['max_positions']} positions")
@@ -123,7 +128,7 @@ def inspect(path, as_json):
              f"vocab {g.get('vocab_size')}, {g.get('max_positions')} positions",
              f"source        {manifest['source']['file']} ({manifest['source']['nodes']} nodes, "
              f"sha256 {manifest['source']['sha256'][:16]}…)",
-             f"build options {json.dumps(manifest.get('build_options'))}"]
+             f"build options {_build_options(manifest.get('build_options', {}))}"]
     lines += [f"section       {s['name']}: {s['length']:,} bytes" for s in manifest["sections"]]
     click.echo("\n".join(lines))
 
@@ -165,6 +170,12 @@ def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p
                                    "finish_reason": completion.finish_reason}))
         else:
             click.echo(completion.prompt + completion.text)
+
+
+def _build_options(options: dict) -> str:
+    passes = options.get("passes", [])
+    level = f"level {options['level']}" if options.get("level") is not None else "passes " + ",".join(passes)
+    return f"backend {options.get('backend')}, {level} ({len(passes)} passes), verify {options.get('verify')}"
 
 
 def _inspect_onnx(path: str, as_json: bool) -> None:

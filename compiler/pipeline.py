@@ -123,7 +123,8 @@ def optimize(model: onnx.ModelProto, *, level: str | int | None = None,
                                 f"error {comparison.max_abs:.3g} > {tolerance:g} on "
                                 f"'{comparison.worst_output}'")
         report.append(entry)
-        progress(f"{pass_.name}: {result.matches} matched, {nodes_before} → {entry['nodes_after']} nodes")
+        if result.matches:
+            progress(f"{pass_.name}: {result.matches} matched, {nodes_before} → {entry['nodes_after']} nodes")
     return model, report
 
 

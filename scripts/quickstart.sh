@@ -3,7 +3,7 @@
 # against PyTorch), compile, inspect, run. Everything lands in out/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q -e .
+python -m pip install -q --root-user-action=ignore -e .
 mkdir -p out
 llmc export tiny-llama -o out/model.onnx
 llmc compile out/model.onnx -o out/engine.plan
