@@ -1,0 +1,150 @@
+"""The paged-attention op: one contract for every backend, and its NumPy reference.
+
+Registered as ``llmc::paged_attention`` — ONNX node ``PagedAttention`` in domain ``llmc``
+(opset 1), TensorRT plugin ``llmc::paged_attention``.
+
+A step of the serving runtime packs the new tokens of several sequences, without padding, into
+one batch: prefill chunks and single decode tokens together. Each sequence's cached keys and
+values live in fixed-size blocks of one shared pool, found through its row of the block table.
+
+Inputs
+    query          [T, num_heads, head_dim]        new tokens of all sequences, packed
+    key            [T, num_kv_heads, head_dim]     their keys (after rotary), packed likewise
+    value          [T, num_kv_heads, head_dim]     their values
+    key_cache      [num_blocks, num_kv_heads, block_size, head_dim]   the pool
+    value_cache    [num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables   int32/int64 [num_seqs, max_blocks_per_seq]   pool block of each sequence's
+                   j-th block; entries past a sequence's last block are ignored (any value)
+    context_lens   int32/int64 [num_seqs]           cached (past) tokens of each sequence
+    query_start_loc int32/int64 [num_seqs + 1]     sequence s owns packed rows
+                   query_start_loc[s] : query_start_loc[s + 1] (0 first, T last, non-decreasing)
+Attributes
+    scale          float, default 1/sqrt(head_dim)
+Output
+    output         [T, num_heads, head_dim]
+
+Semantics: new token i (0-based within sequence s, whose past length is P) attends to the P cached
+tokens — past token j is at ``cache[block_tables[s, j // block_size], :, j % block_size]`` — and
+causally to its sequence's new tokens 0..i. Query head h reads kv head h // (num_heads /
+num_kv_heads) (grouped-query attention). The op reads the pool and never writes it: the runtime
+stores the step's new keys and values at their slots P + i afterwards (one scatter per step), so
+a step has no side effects and is easy to test and retry.
+
+Limits every implementation accepts: block_size a power of two from 1 to 256; num_heads a
+multiple of num_kv_heads; head_dim 64 or 128 in the compiled kernels (the reference takes any).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmc.errors import LlmcError
+
+DOMAIN = "llmc"
+OP_TYPE = "PagedAttention"
+PLUGIN_ID = "llmc::paged_attention"
+BLOCK_SIZES = tuple(2 ** i for i in range(9))  # 1 … 256
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """The metadata half of the op's inputs, checked once: where each sequence's tokens are."""
+
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    query_start_loc: np.ndarray
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+def check_inputs(query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cache: np.ndarray,
+                 value_cache: np.ndarray, batch: PagedBatch) -> None:
+    """Raise LlmcError naming the input at fault; never let a bad table read the wrong memory.
+
+    Args:
+        query, key, value, key_cache, value_cache: as in the module docstring.
+        batch: block tables, past lengths and packed offsets.
+    """
+    tokens, heads, head_dim = _dims(query, 3, "query")
+    if key.shape != value.shape or key.ndim != 3 or key.shape[0] != tokens or key.shape[2] != head_dim:
+        raise LlmcError(f"paged_attention: key/value shape {key.shape}/{value.shape} does not match "
+                        f"query {query.shape}")
+    kv_heads = key.shape[1]
+    if heads % kv_heads:
+        raise LlmcError(f"paged_attention: {heads} query heads is not a multiple of {kv_heads} kv heads")
+    if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
+        raise LlmcError(f"paged_attention: key_cache {key_cache.shape} and value_cache "
+                        f"{value_cache.shape} must be equal 4-D pools")
+    num_blocks, cache_kv_heads, block_size, cache_dim = key_cache.shape
+    if (cache_kv_heads, cache_dim) != (kv_heads, head_dim):
+        raise LlmcError(f"paged_attention: pool {key_cache.shape} does not hold {kv_heads} kv heads "
+                        f"of size {head_dim}")
+    if block_size not in BLOCK_SIZES:
+        raise LlmcError(f"paged_attention: block size {block_size} is not supported "
+                        f"(powers of two from 1 to 256)")
+    starts, lens, tables = batch.query_start_loc, batch.context_lens, batch.block_tables
+    if starts.shape != (batch.num_seqs + 1,) or tables.ndim != 2 or tables.shape[0] != batch.num_seqs:
+        raise LlmcError(f"paged_attention: {batch.num_seqs} sequences but query_start_loc "
+                        f"{starts.shape} and block_tables {tables.shape}")
+    if starts[0] != 0 or starts[-1] != tokens or np.any(np.diff(starts) < 0):
+        raise LlmcError(f"paged_attention: query_start_loc must rise from 0 to {tokens} tokens, "
+                        f"got {starts.tolist()}")
+    if np.any(lens < 0):
+        raise LlmcError(f"paged_attention: negative context length in {lens.tolist()}")
+    for s in range(batch.num_seqs):
+        used = -(-int(lens[s]) // block_size)
+        if used > tables.shape[1]:
+            raise LlmcError(f"paged_attention: sequence {s} has {lens[s]} cached tokens but its block "
+                            f"table holds only {tables.shape[1]} blocks of {block_size}")
+        bad = [int(b) for b in tables[s, :used] if not 0 <= b < num_blocks]
+        if bad:
+            raise LlmcError(f"paged_attention: sequence {s} points at block {bad[0]} outside the pool "
+                            f"of {num_blocks} blocks")
+
+
+def paged_attention_reference(query: np.ndarray, key: np.ndarray, value: np.ndarray,
+                              key_cache: np.ndarray, value_cache: np.ndarray,
+                              block_tables: np.ndarray, context_lens: np.ndarray,
+                              query_start_loc: np.ndarray, scale: float | None = None) -> np.ndarray:
+    """The ground truth: gathers each sequence's past from the pool and attends, in float64.
+
+    Args: as in the module docstring.
+    """
+    batch = PagedBatch(np.asarray(block_tables), np.asarray(context_lens), np.asarray(query_start_loc))
+    check_inputs(query, key, value, key_cache, value_cache, batch)
+    heads, head_dim = query.shape[1:]
+    groups = heads // key.shape[1]
+    block_size = key_cache.shape[2]
+    scale = head_dim ** -0.5 if scale is None else scale
+    output = np.zeros(query.shape, np.float64)
+    for s in range(batch.num_seqs):
+        begin, end = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
+        if begin == end:
+            continue  # a sequence with nothing new this step
+        past = int(batch.context_lens[s])
+        slots = np.arange(past)
+        blocks = batch.block_tables[s, slots // block_size]
+        # [past + new, kv_heads, head_dim]
+        keys = np.concatenate([key_cache[blocks, :, slots % block_size], key[begin:end]]).astype(np.float64)
+        values = np.concatenate([value_cache[blocks, :, slots % block_size], value[begin:end]]).astype(np.float64)
+        keys, values = np.repeat(keys, groups, axis=1), np.repeat(values, groups, axis=1)
+        q = query[begin:end].astype(np.float64)
+        scores = np.einsum("qhd,khd->hqk", q, keys) * scale
+        new = end - begin
+        visible = np.arange(past + new)[None, :] <= past + np.arange(new)[:, None]
+        scores = np.where(visible[None], scores, -np.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = np.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        output[begin:end] = np.einsum("hqk,khd->qhd", probs, values)
+    return output.astype(query.dtype)
+
+
+def _dims(array: np.ndarray, rank: int, name: str) -> tuple[int, ...]:
+    if array.ndim != rank:
+        raise LlmcError(f"paged_attention: {name} must be {rank}-D, got shape {array.shape}")
+    return array.shape

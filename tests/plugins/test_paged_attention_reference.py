@@ -1,0 +1,111 @@
+"""The paged-attention reference against plain dense causal attention, on random ragged batches
+with random block tables; and every bad input it must refuse."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmc.errors import LlmcError
+from llmc.plugins.paged_attention import BLOCK_SIZES, paged_attention_reference
+
+
+def dense_attention(q, k, v, past):
+    """torch SDPA over one sequence: q [new, H, D], k/v [past + new, KV, D], causal with offset."""
+    groups = q.shape[1] // k.shape[1]
+    qt = torch.from_numpy(q).double().transpose(0, 1)
+    kt = torch.from_numpy(k).double().repeat_interleave(groups, 1).transpose(0, 1)
+    vt = torch.from_numpy(v).double().repeat_interleave(groups, 1).transpose(0, 1)
+    new, total = q.shape[0], k.shape[0]
+    mask = torch.arange(total)[None, :] <= past + torch.arange(new)[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+    return out.transpose(0, 1).numpy()
+
+
+def build_case(rng, past_lens, new_lens, heads, kv_heads, head_dim, block_size, spare_blocks=3):
+    """Random pool with each sequence's past scattered into random blocks; also the dense K/V."""
+    blocks_per_seq = [-(-p // block_size) for p in past_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    order = rng.permutation(num_blocks)
+    key_cache = rng.standard_normal((num_blocks, kv_heads, block_size, head_dim)).astype(np.float32)
+    value_cache = rng.standard_normal(key_cache.shape).astype(np.float32)
+    width = max(blocks_per_seq + [1])
+    # Entries past a sequence's last block are garbage on purpose: the op must ignore them.
+    tables = rng.integers(-5, 10_000, (len(past_lens), width))
+    dense_k, dense_v, used = [], [], 0
+    for s, (past, count) in enumerate(zip(past_lens, blocks_per_seq)):
+        tables[s, :count] = order[used:used + count]
+        used += count
+        slots = np.arange(past)
+        blocks = tables[s, slots // block_size]
+        dense_k.append(key_cache[blocks, :, slots % block_size])
+        dense_v.append(value_cache[blocks, :, slots % block_size])
+    total = sum(new_lens)
+    query = rng.standard_normal((total, heads, head_dim)).astype(np.float32)
+    key = rng.standard_normal((total, kv_heads, head_dim)).astype(np.float32)
+    value = rng.standard_normal((total, kv_heads, head_dim)).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(new_lens)])
+    return (query, key, value, key_cache, value_cache, tables, np.array(past_lens), starts), (dense_k, dense_v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1),
+       lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), min_size=1, max_size=5),
+       ratio=st.sampled_from([1, 2, 4]), block_size=st.sampled_from(BLOCK_SIZES),
+       head_dim=st.sampled_from([64, 128]))
+def test_reference_equals_dense_attention(seed, lens, ratio, block_size, head_dim):
+    rng = np.random.default_rng(seed)
+    past_lens, new_lens = [p for p, _ in lens], [n for _, n in lens]
+    inputs, (dense_k, dense_v) = build_case(rng, past_lens, new_lens, 2 * ratio, 2, head_dim, block_size)
+    query, key, value, *_, starts = inputs
+    got = paged_attention_reference(*inputs)
+    assert got.shape == query.shape and got.dtype == np.float32
+    for s, past in enumerate(past_lens):
+        begin, end = starts[s], starts[s + 1]
+        if begin == end:
+            continue
+        want = dense_attention(query[begin:end], np.concatenate([dense_k[s], key[begin:end]]),
+                               np.concatenate([dense_v[s], value[begin:end]]), past)
+        np.testing.assert_allclose(got[begin:end], want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_tokens_and_prefill_chunks_mix_in_one_call():
+    rng = np.random.default_rng(1)
+    inputs, _ = build_case(rng, past_lens=[0, 17, 5, 64], new_lens=[6, 1, 3, 1], heads=8, kv_heads=2,
+                           head_dim=64, block_size=16)
+    whole = paged_attention_reference(*inputs)
+    # Running each sequence alone gives the same rows: sequences never see each other.
+    query, key, value, kc, vc, tables, past, starts = inputs
+    for s in range(4):
+        rows = slice(starts[s], starts[s + 1])
+        alone = paged_attention_reference(query[rows], key[rows], value[rows], kc, vc, tables[s:s + 1],
+                                          past[s:s + 1], np.array([0, starts[s + 1] - starts[s]]))
+        np.testing.assert_array_equal(whole[rows], alone)
+
+
+@pytest.fixture
+def case():
+    return build_case(np.random.default_rng(2), [5, 9], [2, 1], 4, 2, 64, 4)[0]
+
+
+def replace(inputs, index, value):
+    return tuple(value if i == index else x for i, x in enumerate(inputs))
+
+
+@pytest.mark.parametrize("index,make,message", [
+    (5, lambda t: np.where(t == t[1, 0], 999, t), "sequence 1 points at block 999 outside the pool"),
+    (5, lambda t: t[:, :1], "sequence 0 has 5 cached tokens but its block table holds only 1 blocks"),
+    (6, lambda c: np.array([5, -1]), "negative context length"),
+    (7, lambda s: np.array([0, 3, 2]), "query_start_loc must rise from 0 to 3"),
+    (3, lambda k: np.zeros((4, 2, 3, 64), np.float32), "block size 3 is not supported"),
+    (1, lambda k: k[:, :1].repeat(3, 1), "4 query heads is not a multiple of 3 kv heads"),
+])
+def test_bad_inputs_are_named(case, index, make, message):
+    inputs = replace(case, index, make(case[index]))
+    if index == 3:
+        inputs = replace(inputs, 4, inputs[3])
+    if index == 1:
+        inputs = replace(inputs, 2, inputs[1])
+    with pytest.raises(LlmcError, match=message):
+        paged_attention_reference(*inputs)
