@@ -11,8 +11,10 @@ import io
 import warnings
 from collections import Counter
 
+import numpy as np
 import onnx
 import torch
+from onnx import TensorProto, helper, numpy_helper
 
 from llmc.compiler.compare import compare_models
 from llmc.passes.base import Pass, PassResult
@@ -53,3 +55,26 @@ def run_pass(pass_: Pass, model: onnx.ModelProto, *, tolerance: float = 1e-4) ->
     comparison = compare_models(before, result.model)
     assert comparison.max_abs <= tolerance, (pass_.name, comparison)
     return result
+
+
+def small_model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    """An opset-17 graph whose inputs and outputs are float [2] tensors (structural tests)."""
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2])  # noqa: E731
+    graph = helper.make_graph(nodes, "g", [value(n) for n in inputs], [value(n) for n in outputs],
+                              initializer=[numpy_helper.from_array(np.asarray(v), n) for n, v in initializers])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def edges(model: onnx.ModelProto) -> list[tuple[str, list[str], list[str]]]:
+    """(op type, inputs, outputs) of every node, in order."""
+    return [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+
+
+def llmc_rms_norm(width: int = 32) -> torch.nn.Module:
+    """llmc's own RMSNorm with a non-trivial weight."""
+    from llmc.models.llama import RMSNorm
+
+    norm = RMSNorm(width, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return norm

@@ -5,32 +5,22 @@ import copy
 import numpy as np
 import onnx
 import torch
-from onnx import TensorProto, helper, numpy_helper
-from pass_testing import export_module, op_counts, run_pass
+from onnx import TensorProto, helper
+from pass_testing import edges, export_module, op_counts, run_pass, small_model
 
 from llmc.passes.eliminate_common_subexpressions import EliminateCommonSubexpressions
 
 F = TensorProto.FLOAT
 
 
-def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F, [2]) for n in inputs],
-                              [helper.make_tensor_value_info(n, F, [2]) for n in outputs],
-                              initializer=[numpy_helper.from_array(np.asarray(v), n)
-                                           for n, v in initializers])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
 
 def _merge(model: onnx.ModelProto):
     return run_pass(EliminateCommonSubexpressions(), model)
 
 
-def _edges(model: onnx.ModelProto) -> list[tuple[str, list[str], list[str]]]:
-    return [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
-
 
 def test_identical_initializers_merge_by_dtype_shape_and_bytes():
-    model = _model(
+    model = small_model(
         [helper.make_node("Sum", ["x", "a", "b", "c", "d"], ["y"])], ["x"], ["y"],
         [("a", np.float32([1, 2])), ("b", np.float32([1, 2])), ("c", np.float32([[1, 2]])),
          ("d", np.float32([1, 3]))])
@@ -40,24 +30,24 @@ def test_identical_initializers_merge_by_dtype_shape_and_bytes():
     model.graph.node[0].input.append("e")
     result = _merge(model)
     assert result.matches == 2  # b and e into a; c differs in shape, d in bytes
-    assert _edges(result.model) == [("Sum", ["x", "a", "a", "c", "d", "a"], ["y"])]
+    assert edges(result.model) == [("Sum", ["x", "a", "a", "c", "d", "a"], ["y"])]
     assert [t.name for t in result.model.graph.initializer] == ["a", "c", "d"]
 
 
 def test_duplicate_chains_merge_in_one_sweep():
-    model = _model(
+    model = small_model(
         [helper.make_node("Relu", ["x"], ["r1"]), helper.make_node("Relu", ["x"], ["r2"]),
          helper.make_node("Add", ["r1", "w1"], ["a1"]), helper.make_node("Add", ["r2", "w2"], ["a2"]),
          helper.make_node("Mul", ["a1", "a2"], ["y"])],
         ["x"], ["y"], [("w1", np.float32([1, 2])), ("w2", np.float32([1, 2]))])
     result = _merge(model)
     assert result.matches == 3  # w2, Relu, Add
-    assert _edges(result.model) == [("Relu", ["x"], ["r1"]), ("Add", ["r1", "w1"], ["a1"]),
+    assert edges(result.model) == [("Relu", ["x"], ["r1"]), ("Add", ["r1", "w1"], ["a1"]),
                                     ("Mul", ["a1", "a1"], ["y"])]
 
 
 def test_attributes_must_match_in_any_order():
-    model = _model(
+    model = small_model(
         [helper.make_node("LeakyRelu", ["x"], ["l1"], alpha=0.1),
          helper.make_node("LeakyRelu", ["x"], ["l2"], alpha=0.2),
          helper.make_node("Selu", ["x"], ["s1"], alpha=2.0, gamma=3.0),
@@ -75,7 +65,7 @@ def test_attributes_must_match_in_any_order():
 
 
 def test_graph_outputs_keep_their_names():
-    model = _model(
+    model = small_model(
         [helper.make_node("Neg", ["x"], ["y1"]), helper.make_node("Neg", ["x"], ["y2"])],
         ["x"], ["y1", "y2"], [("c1", np.float32([1, 2])), ("c2", np.float32([1, 2]))])
     model.graph.output.extend([helper.make_tensor_value_info(n, F, [2]) for n in ("c1", "c2")])
@@ -86,19 +76,19 @@ def test_graph_outputs_keep_their_names():
 
 
 def test_duplicate_of_a_graph_output_merges_into_it():
-    model = _model(
+    model = small_model(
         [helper.make_node("Add", ["x", "w"], ["tmp"]), helper.make_node("Relu", ["tmp"], ["y"])],
         ["x"], ["y", "c"], [("w", np.float32([1, 2])), ("c", np.float32([1, 2]))])
     result = _merge(model)
     assert result.matches == 1
-    assert _edges(result.model)[0] == ("Add", ["x", "c"], ["tmp"])
+    assert edges(result.model)[0] == ("Add", ["x", "c"], ["tmp"])
     assert [t.name for t in result.model.graph.initializer] == ["c"]
 
 
 def test_random_and_subgraph_nodes_are_not_merged():
     branch = helper.make_graph([helper.make_node("Neg", ["x"], ["b"])], "branch", [],
                                [helper.make_tensor_value_info("b", F, [2])])
-    model = _model(
+    model = small_model(
         [helper.make_node("RandomUniformLike", ["x"], ["r1"]),
          helper.make_node("RandomUniformLike", ["x"], ["r2"]),
          helper.make_node("If", ["cond"], ["i1"], then_branch=branch, else_branch=branch),
@@ -114,7 +104,7 @@ def test_random_and_subgraph_nodes_are_not_merged():
 def test_values_read_by_subgraphs_are_not_merged_away():
     branch = helper.make_graph([helper.make_node("Neg", ["n2"], ["b"])], "branch", [],
                                [helper.make_tensor_value_info("b", F, [2])])
-    model = _model(
+    model = small_model(
         [helper.make_node("Neg", ["x"], ["n1"]), helper.make_node("Neg", ["x"], ["n2"]),
          helper.make_node("If", ["cond"], ["i"], then_branch=branch, else_branch=branch),
          helper.make_node("Sum", ["n1", "i"], ["y"])],

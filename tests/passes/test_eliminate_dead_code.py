@@ -4,65 +4,55 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from pass_testing import export_module, op_counts, run_pass
+from pass_testing import edges, export_module, op_counts, run_pass, small_model
 
 from llmc.passes.eliminate_dead_code import EliminateDeadCode
 
 F = TensorProto.FLOAT
 
 
-def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F, [2]) for n in inputs],
-                              [helper.make_tensor_value_info(n, F, [2]) for n in outputs],
-                              initializer=[numpy_helper.from_array(np.asarray(v), n)
-                                           for n, v in initializers])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
 
 def _eliminate(model: onnx.ModelProto):
     return run_pass(EliminateDeadCode(), model)
 
 
-def _edges(model: onnx.ModelProto) -> list[tuple[str, list[str], list[str]]]:
-    return [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
-
 
 def test_unread_nodes_and_initializers_are_removed():
-    model = _model(
+    model = small_model(
         [helper.make_node("Add", ["x", "w"], ["dead1"]),
          helper.make_node("Relu", ["dead1"], ["dead2"]),
          helper.make_node("Neg", ["x"], ["y"])],
         ["x", "unused_input"], ["y"], [("w", np.float32([1, 2])), ("v", np.float32([3, 4]))])
     result = _eliminate(model)
     assert result.matches == 4  # Add, Relu, w, v
-    assert _edges(result.model) == [("Neg", ["x"], ["y"])]
+    assert edges(result.model) == [("Neg", ["x"], ["y"])]
     assert not result.model.graph.initializer
     assert [i.name for i in result.model.graph.input] == ["x", "unused_input"]
 
 
 def test_identity_readers_are_rewired_to_its_input():
-    model = _model(
+    model = small_model(
         [helper.make_node("Identity", ["x"], ["a"]), helper.make_node("Identity", ["a"], ["b"]),
          helper.make_node("Add", ["a", "b"], ["y"])],
         ["x"], ["y"])
     result = _eliminate(model)
     assert result.matches == 2
-    assert _edges(result.model) == [("Add", ["x", "x"], ["y"])]
+    assert edges(result.model) == [("Add", ["x", "x"], ["y"])]
 
 
 def test_identity_to_a_graph_output_renames_the_producer():
-    model = _model(
+    model = small_model(
         [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Identity", ["n"], ["i"]),
          helper.make_node("Identity", ["i"], ["y"]), helper.make_node("Relu", ["n"], ["z"])],
         ["x"], ["y", "z"])
     result = _eliminate(model)
     assert result.matches == 2
     assert [o.name for o in result.model.graph.output] == ["y", "z"]
-    assert _edges(result.model) == [("Neg", ["x"], ["y"]), ("Relu", ["y"], ["z"])]
+    assert edges(result.model) == [("Neg", ["x"], ["y"]), ("Relu", ["y"], ["z"])]
 
 
 def test_identity_that_cannot_be_renamed_away_is_kept():
-    model = _model(
+    model = small_model(
         [helper.make_node("Identity", ["x"], ["from_input"]),
          helper.make_node("Identity", ["w"], ["from_initializer"]),
          helper.make_node("Neg", ["x"], ["n"]),
@@ -73,7 +63,7 @@ def test_identity_that_cannot_be_renamed_away_is_kept():
     assert result.matches == 1
     assert [o.name for o in result.model.graph.output] == ["from_input", "from_initializer",
                                                            "first", "second"]
-    assert sorted(_edges(result.model)) == [
+    assert sorted(edges(result.model)) == [
         ("Identity", ["first"], ["second"]), ("Identity", ["w"], ["from_initializer"]),
         ("Identity", ["x"], ["from_input"]), ("Neg", ["x"], ["first"])]
 
@@ -81,7 +71,7 @@ def test_identity_that_cannot_be_renamed_away_is_kept():
 def test_identity_read_inside_a_subgraph_is_kept():
     branch = helper.make_graph([helper.make_node("Neg", ["i"], ["b"])], "branch", [],
                                [helper.make_tensor_value_info("b", F, [2])])
-    model = _model(
+    model = small_model(
         [helper.make_node("Identity", ["x"], ["i"]),
          helper.make_node("If", ["cond"], ["y"], then_branch=branch, else_branch=branch)],
         ["x"], ["y"], [("cond", np.bool_(True))])

@@ -5,9 +5,8 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from pass_testing import export_module, op_counts, run_pass
+from pass_testing import export_module, llmc_rms_norm, op_counts, run_pass
 
-from llmc.models.llama import RMSNorm
 from llmc.passes.fuse_rms_norm import FuseRmsNorm
 
 SHAPE = [2, 4, 8]
@@ -269,13 +268,6 @@ def hf_rms_norm():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     norm = LlamaRMSNorm(32, eps=1e-6)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-    return norm
-
-
-def llmc_rms_norm():
-    norm = RMSNorm(32, 1e-5)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     return norm

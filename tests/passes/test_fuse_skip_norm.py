@@ -5,10 +5,9 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from pass_testing import export_module, op_counts, run_pass
+from pass_testing import export_module, llmc_rms_norm, op_counts, run_pass
 
 from llmc.compiler.pipeline import refresh_shapes
-from llmc.models.llama import RMSNorm
 from llmc.passes.fuse_layer_norm import FuseLayerNorm
 from llmc.passes.fuse_rms_norm import FuseRmsNorm
 from llmc.passes.fuse_skip_norm import FuseSkipNorm
@@ -132,13 +131,6 @@ class Residual(torch.nn.Module):
     def forward(self, x, y):
         h = x + self.proj(y)
         return self.norm(h), h * 2
-
-
-def llmc_rms_norm():
-    norm = RMSNorm(32, 1e-5)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5)
-    return norm
 
 
 @pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
