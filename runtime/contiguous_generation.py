@@ -58,7 +58,7 @@ def generate_tokens(decoder: OnnxRuntimeDecoder, prompts: Sequence[Sequence[int]
             token = sample(logits[row, -1], params[row], rngs[row])
             next_ids[row, 0] = token
             generated[row] += 1
-            reason = _finish_reason(token, generated[row], budgets[row], params[row], eos_id)
+            reason = finish_reason(token, generated[row], budgets[row], params[row], eos_id)
             if reason:
                 running.discard(row)
             yield TokenEvent(row, token, reason)
@@ -66,7 +66,7 @@ def generate_tokens(decoder: OnnxRuntimeDecoder, prompts: Sequence[Sequence[int]
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
 
 
-def _finish_reason(token: int, generated: int, budget: int, params: SamplingParams,
+def finish_reason(token: int, generated: int, budget: int, params: SamplingParams,
                    eos_id: int | None) -> str | None:
     if token in params.stop_token_ids or (token == eos_id and not params.ignore_eos):
         return "stop"

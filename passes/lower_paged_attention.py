@@ -1,0 +1,140 @@
+"""Lower a decoder with past/present tensors to the paged interface (``llmc::paged_attention``).
+
+Input: a graph optimized to level 2 — every layer's attention is one 3-D ``Attention`` node that
+reads ``past_key_values.{i}.key|value`` and writes ``present.{i}.key|value``. Output: the packed,
+paged interface the serving runtime drives:
+
+    inputs   input_ids, position_ids [1, tokens]     new tokens of all sequences, packed
+             key_cache.{i}, value_cache.{i}          [blocks, kv_heads, block_size, head_dim]
+             paged_gather_rows, paged_block_ids,     the step's layout (plugins/
+             paged_mask, paged_scatter_rows          paged_attention_onnx.plan_step)
+             logits_rows [seqs]                      packed row whose logits each sequence needs
+    outputs  logits [1, seqs, vocab]                 only the rows asked for (last token of each)
+             new_key.{i}, new_value.{i}              [tokens, kv_heads, head_dim], for the runtime
+                                                     to store in the pool (the graph never writes it)
+
+Packed tokens run as one sequence of batch 1 through every per-token op (embeddings, norms,
+projections, rotary with explicit positions); only attention needs to know where sequences
+start, and the paged op knows. Each Attention becomes the CPU lowering of the paged op; the
+attention mask and its subgraph die with the old interface.
+
+Preconditions: run last, after attention-3d-layout. A layer whose attention was not
+canonicalized is an error naming it: silently leaving a dense attention behind would attend
+across sequences.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from llmc.errors import LlmcError
+from llmc.passes.base import Pass, PassResult
+from llmc.passes.graph import Graph, attr
+from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
+from llmc.plugins.paged_attention_onnx import PLAN_INPUTS, lowering_nodes
+
+
+class LowerPagedAttention(Pass):
+    name = "lower-paged-attention"
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
+        if block_size not in BLOCK_SIZES:
+            raise LlmcError(f"--block-size: {block_size} is not supported (powers of two from 1 to 256)")
+        self.block_size = block_size
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        graph = Graph(model)
+        inputs = {i.name: i for i in model.graph.input}
+        layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
+        if "position_ids" not in inputs:
+            raise LlmcError("paged lowering: the graph has no position_ids input")
+        attentions = {}
+        for node in model.graph.node:
+            if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and len(node.input) >= 6:
+                layer = _layer_of(node.input[4])
+                if layer is not None:
+                    attentions[layer] = node
+        for layer in range(layers):
+            node = attentions.get(layer)
+            if node is None:
+                raise LlmcError(f"paged lowering: layer {layer}'s attention could not be canonicalized "
+                                "to one Attention node (see the fuse-attention report)")
+            if graph.rank(node.input[0]) != 3:
+                raise LlmcError(f"paged lowering: layer {layer}'s Attention is 4-D; run attention-3d-layout first")
+
+        past = inputs["past_key_values.0.key"].type.tensor_type.shape.dim
+        kv_heads, head_dim = past[1].dim_value, past[3].dim_value
+        dtype = inputs["past_key_values.0.key"].type.tensor_type.elem_type
+        nodes, constants, new_outputs = [], [], []
+        for layer in range(layers):
+            attention = attentions[layer]
+            heads = attr(attention, "q_num_heads")
+            nodes_, constants_ = self._lower(graph, attention, layer, heads, kv_heads, head_dim)
+            nodes += nodes_
+            constants += constants_
+            new_outputs += [(f"new_key.{layer}", kv_heads), (f"new_value.{layer}", kv_heads)]
+
+        kept = [n for n in model.graph.node if n.op_type != "Attention" or id(n) not in
+                {id(a) for a in attentions.values()}]
+        logits_producer = graph.producer["logits"]
+        logits_producer.output[list(logits_producer.output).index("logits")] = "logits_all"
+        nodes.append(helper.make_node("Gather", ["logits_all", "logits_rows"], ["logits"], axis=1))
+        vocab = next(o for o in model.graph.output if o.name == "logits").type.tensor_type.shape.dim[2].dim_value
+
+        value = helper.make_tensor_value_info
+        new_inputs = [value("input_ids", TensorProto.INT64, [1, "tokens"]),
+                      value("position_ids", TensorProto.INT64, [1, "tokens"])]
+        for layer in range(layers):
+            for part in ("key", "value"):
+                new_inputs.append(value(f"{part}_cache.{layer}", dtype,
+                                        ["blocks", kv_heads, self.block_size, head_dim]))
+        new_inputs += [value(PLAN_INPUTS[0], TensorProto.INT64, ["seqs", "max_new"]),
+                       value(PLAN_INPUTS[1], TensorProto.INT64, ["seqs", "max_blocks"]),
+                       value(PLAN_INPUTS[2], dtype, ["seqs", 1, "max_new", "keys"]),
+                       value(PLAN_INPUTS[3], TensorProto.INT64, ["tokens"]),
+                       value("logits_rows", TensorProto.INT64, ["seqs"])]
+        outputs = [value("logits", dtype, [1, "seqs", vocab])]
+        outputs += [value(name, dtype, ["tokens", heads_, head_dim]) for name, heads_ in new_outputs]
+
+        del model.graph.input[:]
+        model.graph.input.extend(new_inputs)
+        del model.graph.output[:]
+        model.graph.output.extend(outputs)
+        del model.graph.node[:]
+        model.graph.node.extend(kept + nodes)
+        model.graph.initializer.extend(constants)
+        graph = Graph(model)
+        graph._replace_nodes(list(model.graph.node))  # toposort: new nodes were appended
+        graph.remove_dead()
+        stale = {"attention_mask"} | {i for i in inputs if i.startswith("past_key_values.")}
+        for node in model.graph.node:
+            if stale & set(node.input):
+                raise LlmcError(f"paged lowering: node '{node.name}' ({node.op_type}) still reads "
+                                f"{sorted(stale & set(node.input))[0]}, which the paged interface drops")
+        return PassResult(model, layers, [f"block size {self.block_size}, {layers} layers"])
+
+    def _lower(self, graph: Graph, attention: onnx.NodeProto, layer: int, heads: int, kv_heads: int,
+               head_dim: int):
+        prefix = f"paged.{layer}"
+        rows = lambda name, count: helper.make_tensor(name, TensorProto.INT64, [3], [-1, count, head_dim])  # noqa: E731
+        flat = helper.make_tensor(f"{prefix}/flat", TensorProto.INT64, [3], [1, -1, heads * head_dim])
+        constants = [rows(f"{prefix}/q_rows", heads), rows(f"{prefix}/kv_rows", kv_heads), flat]
+        query, key, value = attention.input[:3]
+        nodes = [helper.make_node("Reshape", [query, f"{prefix}/q_rows"], [f"{prefix}/q"]),
+                 helper.make_node("Reshape", [key, f"{prefix}/kv_rows"], [f"new_key.{layer}"]),
+                 helper.make_node("Reshape", [value, f"{prefix}/kv_rows"], [f"new_value.{layer}"])]
+        lowered, lowered_constants = lowering_nodes(
+            prefix, f"{prefix}/q", f"new_key.{layer}", f"new_value.{layer}", f"key_cache.{layer}",
+            f"value_cache.{layer}", f"{prefix}/out", num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=head_dim, block_size=self.block_size, scale=attr(attention, "scale"))
+        nodes += lowered
+        nodes.append(helper.make_node("Reshape", [f"{prefix}/out", f"{prefix}/flat"], [attention.output[0]]))
+        return nodes, constants + lowered_constants
+
+
+def _layer_of(past_name: str) -> int | None:
+    parts = past_name.split(".")
+    if len(parts) == 3 and parts[0] == "past_key_values" and parts[2] == "key" and parts[1].isdigit():
+        return int(parts[1])
+    return None
