@@ -87,12 +87,24 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--backend", default="onnxruntime", show_default=True, help="Runtime the engine targets.")
 @click.option("--tokenizer", type=click.Path(), help="tokenizer.json or its folder (default: embedded or beside the ONNX file).")
 @_pipeline_options
-def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify):
+@click.option("--paged/--no-paged", default=True, show_default=True,
+              help="KV cache in blocks of one pool (llmc::paged_attention) or contiguous past/present.")
+@click.option("--block-size", default=None, type=int, help="Tokens per KV block (default 32, by measurement).")
+@click.option("--max-batch", default=16, show_default=True, type=int, help="Sequences per step.")
+@click.option("--max-seq-len", default=None, type=int, help="Longest sequence (default: the model's positions).")
+@click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: max-batch full sequences).")
+def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, block_size,
+                    max_batch, max_seq_len, kv_pool_mb):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
+    from llmc.compiler.paged_engine import PagedOptions
 
+    options = None
+    if paged:
+        options = PagedOptions(max_batch=max_batch, max_seq_len=max_seq_len, kv_pool_mb=kv_pool_mb,
+                               **({"block_size": block_size} if block_size is not None else {}))
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
-                             passes=_pass_names(passes), verify=verify)
+                             passes=_pass_names(passes), verify=verify, paged=options, progress=_progress)
     steps = manifest["optimization"]
     if steps:
         fused = ", ".join(f"{e['pass']} {e['matches']}" for e in steps
@@ -128,7 +140,8 @@ def inspect(path, as_json):
              f"vocab {g.get('vocab_size')}, {g.get('max_positions')} positions",
              f"source        {manifest['source']['file']} ({manifest['source']['nodes']} nodes, "
              f"sha256 {manifest['source']['sha256'][:16]}…)",
-             f"build options {_build_options(manifest.get('build_options', {}))}"]
+             f"build options {_build_options(manifest.get('build_options', {}))}",
+             f"kv cache      {_kv_cache(manifest)}"]
     lines += [f"section       {s['name']}: {s['length']:,} bytes" for s in manifest["sections"]]
     click.echo("\n".join(lines))
 
@@ -170,6 +183,14 @@ def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p
                                    "finish_reason": completion.finish_reason}))
         else:
             click.echo(completion.prompt + completion.text)
+
+
+def _kv_cache(manifest: dict) -> str:
+    paged = manifest.get("paged")
+    if not paged:
+        return f"contiguous past/present ({manifest.get('not_paged', 'not paged')})"
+    return (f"paged: {paged['num_blocks']} blocks of {paged['block_size']} tokens ({paged['pool_mb']} MiB), "
+            f"max batch {paged['max_batch']}, max sequence {paged['max_seq_len']}")
 
 
 def _build_options(options: dict) -> str:

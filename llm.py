@@ -10,7 +10,8 @@ from llmc.compiler.engine_file import read_engine
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
 from llmc.runtime.backends.onnxruntime import OnnxRuntimeDecoder
-from llmc.runtime.contiguous_generation import generate_tokens
+from llmc.runtime.contiguous_generation import TokenEvent, generate_tokens
+from llmc.runtime.paged_generation import PagedDecoder, generate_paged
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -50,6 +51,10 @@ class LLM:
         self.manifest = engine.manifest
         self.tokenizer = Tokenizer.from_json(bytes(engine.sections["tokenizer.json"]).decode())
         self._decoder = OnnxRuntimeDecoder(engine, threads)
+        paged = engine.manifest.get("paged")
+        self._paged = paged and PagedDecoder(self._decoder.session, self._decoder.geometry,
+                                             paged["block_size"], paged["num_blocks"], paged["max_seq_len"])
+        self.max_seq_len = paged["max_seq_len"] if paged else self._decoder.geometry.max_positions
 
     def generate(self, prompts: str | Sequence[str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
@@ -66,7 +71,7 @@ class LLM:
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         outputs: list[list[int]] = [[] for _ in prompts]
         reasons = [""] * len(prompts)
-        for event in generate_tokens(self._decoder, ids, params, self.tokenizer.eos_id):
+        for event in self._generate(ids, params):
             outputs[event.index].append(event.token_id)
             reasons[event.index] = event.finish_reason or ""
         return [Completion(prompt, self.tokenizer.decode(out), out, prompt_ids, reason)
@@ -80,8 +85,7 @@ class LLM:
         params = self._params_per_prompt(params, 1)
         tokens: list[int] = []
         shown = ""
-        for event in generate_tokens(self._decoder, [self.encode(prompt, 0)], params,
-                                     self.tokenizer.eos_id):
+        for event in self._generate([self.encode(prompt, 0)], params):
             tokens.append(event.token_id)
             text = self.tokenizer.decode(tokens)
             if text.endswith("\ufffd") and event.finish_reason is None:
@@ -93,13 +97,23 @@ class LLM:
     def encode(self, prompt: str, index: int = 0) -> list[int]:
         """Tokenize a prompt, checking it fits the model; `index` names it in errors."""
         ids = self.tokenizer.encode(prompt)
-        limit = self.manifest["geometry"]["max_positions"]
         if not ids:
             raise LlmcError(f"prompt {index}: empty after tokenization")
-        if len(ids) >= limit:
-            raise LlmcError(f"prompt {index}: {len(ids)} tokens leave no room in the model's "
-                            f"{limit} positions")
+        if len(ids) >= self.max_seq_len:
+            raise LlmcError(f"prompt {index}: {len(ids)} tokens leave no room in the engine's "
+                            f"{self.max_seq_len} positions")
         return ids
+
+    def _generate(self, ids: list[list[int]], params: list[SamplingParams]) -> Iterator[TokenEvent]:
+        """Token events from the paged runtime (max_batch sequences at a time) or the dense one."""
+        if not self._paged:
+            yield from generate_tokens(self._decoder, ids, params, self.tokenizer.eos_id)
+            return
+        group = self.manifest["paged"]["max_batch"]
+        for start in range(0, len(ids), group):
+            for event in generate_paged(self._paged, ids[start:start + group], params[start:start + group],
+                                        self.tokenizer.eos_id):
+                yield TokenEvent(start + event.index, event.token_id, event.finish_reason)
 
     @staticmethod
     def _params_per_prompt(params, count: int) -> list[SamplingParams]:

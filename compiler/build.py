@@ -19,6 +19,7 @@ import llmc
 from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_file import write_engine
 from llmc.compiler.onnx_io import load_onnx, serialize, validate
+from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, resolve
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
@@ -31,7 +32,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
                   backend: str = "onnxruntime",
                   tokenizer: str | os.PathLike | None = None,
                   level: str | int | None = None, passes: Iterable[str] | None = None,
-                  verify: bool = False,
+                  verify: bool = False, paged: PagedOptions | None = PagedOptions(),
                   progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Compile a decoder-with-past ONNX file into an engine file; returns the engine's manifest.
 
@@ -41,7 +42,11 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         backend: the runtime that will execute the engine; one of `BACKENDS`.
         tokenizer: a tokenizer.json file or a folder holding one; by default the tokenizer
             embedded by `llmc export`, else tokenizer.json beside the ONNX file.
-        level, passes, verify, progress: the optimization pipeline, as for `llmc optimize`.
+        level, passes, verify: the optimization pipeline, as for `llmc optimize`.
+        progress: called with a short line as each long stage starts.
+        paged: build a paged-KV engine with these options (the default); None keeps the
+            contiguous past/present interface. A model the paged op cannot express (e.g. a
+            sliding window) falls back to contiguous, with the reason in the manifest.
     """
     onnx_path = Path(onnx_path)
     if backend not in BACKENDS:
@@ -55,7 +60,16 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         raise LlmcError(f"tokenizer: {tok.vocab_size} tokens do not fit the model's vocabulary of "
                         f"{interface.geometry.vocab_size}")
     source_nodes = len(model.graph.node)
-    model, report = optimize(model, level=level, passes=passes, verify=verify, progress=progress)
+    pool = plan_pool(paged, interface) if paged is not None else None  # bad sizes fail early
+    progress(f"optimizing {source_nodes} nodes")
+    model, report = optimize(model, level=level, passes=passes, verify=verify)
+    paged_entry, not_paged = None, "not requested"
+    if paged is not None:
+        not_paged = lower(model, interface, paged)
+        if not_paged is None:
+            paged_entry = pool
+        else:
+            progress(f"paged KV off: {not_paged}")
     payload = serialize(model)
     manifest = {
         "llmc_version": llmc.__version__,
@@ -66,6 +80,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         "build_options": {"backend": backend, "level": None if passes is not None else str(DEFAULT_LEVEL if level is None else level),
                           "passes": [entry["pass"] for entry in report], "verify": verify},
         "optimization": [{k: entry[k] for k in ("pass", "matches", "nodes_after")} for entry in report],
+        "paged": paged_entry,
+        **({"not_paged": not_paged} if paged_entry is None else {}),
     }
     write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
     return manifest

@@ -44,10 +44,11 @@ class DecoderInterface:
     geometry: Geometry
     dtype: str
     has_position_ids: bool
+    sliding_window: int | None = None  # attention limited to the last N keys (Mistral)
 
     def to_dict(self) -> dict:
         return {"geometry": asdict(self.geometry), "dtype": self.dtype,
-                "has_position_ids": self.has_position_ids}
+                "has_position_ids": self.has_position_ids, "sliding_window": self.sliding_window}
 
 
 def recognize_decoder(model: onnx.ModelProto, source: Path) -> DecoderInterface:
@@ -88,13 +89,17 @@ def recognize_decoder(model: onnx.ModelProto, source: Path) -> DecoderInterface:
     if geometry.num_heads % geometry.num_kv_heads:
         raise LlmcError(f"{source}: {geometry.num_heads} attention heads is not a multiple of "
                         f"{geometry.num_kv_heads} kv heads")
-    return DecoderInterface(geometry, _DTYPES[elem_type], "position_ids" in inputs)
+    return DecoderInterface(geometry, _DTYPES[elem_type], "position_ids" in inputs,
+                            facts.get("sliding_window"))
 
 
-def geometry_metadata(geometry: Geometry) -> dict[str, str]:
+def geometry_metadata(geometry: Geometry, sliding_window: int | None = None) -> dict[str, str]:
     """The ``llmc.*`` metadata entries that `recognize_decoder` reads back."""
-    return {"llmc.num_heads": str(geometry.num_heads),
-            "llmc.max_positions": str(geometry.max_positions)}
+    entries = {"llmc.num_heads": str(geometry.num_heads),
+               "llmc.max_positions": str(geometry.max_positions)}
+    if sliding_window is not None:
+        entries["llmc.sliding_window"] = str(sliding_window)
+    return entries
 
 
 def _count_layers(values: dict, pattern: re.Pattern, kind: str, fault: str) -> int:
@@ -130,8 +135,11 @@ def _geometry_facts(model: onnx.ModelProto, source: Path) -> dict[str, int]:
                 if isinstance(hf.get(name), int):
                     facts[key] = hf[name]
                     break
+        # Mistral windows every layer; Qwen2 only when use_sliding_window says so.
+        if isinstance(hf.get("sliding_window"), int) and hf.get("use_sliding_window", True):
+            facts["sliding_window"] = hf["sliding_window"]
     # The graph's own metadata wins over a config file that may belong to another export.
     for prop in model.metadata_props:
-        if prop.key in ("llmc.num_heads", "llmc.max_positions"):
+        if prop.key in ("llmc.num_heads", "llmc.max_positions", "llmc.sliding_window"):
             facts[prop.key.removeprefix("llmc.")] = int(prop.value)
     return facts

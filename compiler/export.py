@@ -89,7 +89,8 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     progress(f"exporting {loaded.name}: {geometry.num_layers} layers, {geometry.num_heads} heads, "
              f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}")
     proto = _to_onnx(loaded.model, geometry)
-    metadata = {**geometry_metadata(geometry), TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(),
+    window = getattr(loaded.model.args, "sliding_window", None)
+    metadata = {**geometry_metadata(geometry, window), TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(),
                 "llmc.source_model": loaded.name}
     onnx.helper.set_model_props(proto, metadata)
     save_onnx(proto, output)

@@ -31,10 +31,13 @@ class PagedDecoder:
         geometry: the model's geometry.
         block_size: tokens per block (the value the graph was lowered with).
         num_blocks: blocks in the pool, shared by all sequences.
+        max_seq_len: longest sequence the engine was sized for; default the model's positions.
     """
 
-    def __init__(self, session: ort.InferenceSession, geometry: Geometry, block_size: int, num_blocks: int):
+    def __init__(self, session: ort.InferenceSession, geometry: Geometry, block_size: int, num_blocks: int,
+                 max_seq_len: int | None = None):
         self.session, self.geometry, self.block_size = session, geometry, block_size
+        self.max_seq_len = max_seq_len or geometry.max_positions
         shape = (num_blocks, geometry.num_kv_heads, block_size, geometry.head_dim)
         self.pools = {f"{part}_cache.{i}": np.zeros(shape, np.float32)
                       for i in range(geometry.num_layers) for part in ("key", "value")}
@@ -80,7 +83,7 @@ def generate_paged(decoder: PagedDecoder, prompts: Sequence[Sequence[int]],
     past = [0] * count
     pending = [list(p) for p in prompts]  # tokens each sequence feeds at the next step
     rngs = [np.random.default_rng(p.seed) for p in params]
-    budgets = [min(p.max_new_tokens, decoder.geometry.max_positions - len(prompt))
+    budgets = [min(p.max_new_tokens, decoder.max_seq_len - len(prompt))
                for p, prompt in zip(params, prompts)]
     generated = [0] * count
     running = list(range(count))

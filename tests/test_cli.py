@@ -153,7 +153,7 @@ def test_run_onnx_file_given_as_engine(tiny_llama_onnx):
 
 def test_run_prompt_longer_than_positions(tiny_llama_engine):
     assert_refused(llmc("run", tiny_llama_engine, "--prompt", "ok", "--prompt", "x" * 600),
-                   "prompt 1: 601 tokens leave no room in the model's 512 positions")
+                   "prompt 1: 601 tokens leave no room in the engine's 512 positions")
 
 
 @pytest.mark.parametrize("option,value,message", [

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from hf_checkpoints import hf_model, write_hf_checkpoint
 
 from llmc.cli import main
+from llmc.compiler.engine_file import read_manifest
 
 PROMPT = "def fibonacci("
 NEW_TOKENS = 32
@@ -25,6 +26,11 @@ def compiled(request, tmp_path_factory):
     assert "parity vs PyTorch: max abs diff" in exported.stdout
     compiled = runner.invoke(main, ["compile", str(out / "model.onnx"), "-o", str(out / "engine.plan")])
     assert compiled.exit_code == 0, compiled.output
+    manifest = read_manifest(out / "engine.plan")
+    if request.param == "mistral":  # its sliding window is not expressible paged: contiguous, and why
+        assert manifest["paged"] is None and "sliding-window" in manifest["not_paged"]
+    else:
+        assert manifest["paged"]["block_size"] == 32
     return folder, out
 
 

@@ -1,0 +1,77 @@
+"""Sizing and building the paged form of an engine: block size, pool size, the lowering.
+
+`llmc compile` builds paged engines by default: the KV cache lives in one pool of fixed-size
+blocks (plugins/paged_attention.py) sized here from --kv-pool-mb, or from --max-batch requests of
+--max-seq-len tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import onnx
+
+from llmc.compiler.decoder_interface import DecoderInterface
+from llmc.errors import LlmcError
+from llmc.passes.lower_paged_attention import LowerPagedAttention
+from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class PagedOptions:
+    """What the user asked for; validated when the model's geometry is known.
+
+    Args:
+        block_size: tokens per block, a power of two from 1 to 256.
+        max_batch: sequences one step may hold.
+        max_seq_len: longest sequence (prompt + output); default the model's positions.
+        kv_pool_mb: pool size in MiB; default room for max_batch sequences of max_seq_len.
+    """
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_batch: int = 16
+    max_seq_len: int | None = None
+    kv_pool_mb: float | None = None
+
+    def __post_init__(self):
+        if self.block_size not in BLOCK_SIZES:
+            raise LlmcError(f"--block-size: {self.block_size} is not supported (powers of two from 1 to 256)")
+        if self.max_batch < 1:
+            raise LlmcError(f"--max-batch: must be ≥ 1, got {self.max_batch}")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise LlmcError(f"--max-seq-len: must be ≥ 2, got {self.max_seq_len}")
+        if self.kv_pool_mb is not None and not self.kv_pool_mb > 0:
+            raise LlmcError(f"--kv-pool-mb: must be > 0, got {self.kv_pool_mb}")
+
+
+def plan_pool(options: PagedOptions, interface: DecoderInterface) -> dict:
+    """The manifest's "paged" entry: block size, pool blocks, limits."""
+    g = interface.geometry
+    max_seq_len = options.max_seq_len or g.max_positions
+    if max_seq_len > g.max_positions:
+        raise LlmcError(f"--max-seq-len: {max_seq_len} exceeds the model's {g.max_positions} positions")
+    itemsize = np.dtype(interface.dtype).itemsize
+    block_bytes = 2 * g.num_layers * g.num_kv_heads * options.block_size * g.head_dim * itemsize
+    per_sequence = -(-max_seq_len // options.block_size)
+    if options.kv_pool_mb is None:
+        num_blocks = options.max_batch * per_sequence
+    else:
+        num_blocks = int(options.kv_pool_mb * 2**20 // block_bytes)
+        if num_blocks < per_sequence:
+            raise LlmcError(f"--kv-pool-mb: {options.kv_pool_mb} MiB holds {num_blocks} blocks of "
+                            f"{options.block_size} tokens, fewer than the {per_sequence} blocks one sequence "
+                            f"of {max_seq_len} tokens needs")
+    return {**asdict(options), "max_seq_len": max_seq_len, "num_blocks": num_blocks,
+            "pool_mb": round(num_blocks * block_bytes / 2**20, 3)}
+
+
+def lower(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOptions) -> str | None:
+    """Lower the optimized graph to the paged interface; returns why not, when it can't be."""
+    if interface.sliding_window is not None:
+        return (f"sliding-window attention (window {interface.sliding_window}) is not expressible "
+                "with llmc::paged_attention yet")
+    if not interface.has_position_ids:
+        return "the graph has no position_ids input"
+    LowerPagedAttention(options.block_size).run(model)
+    return None

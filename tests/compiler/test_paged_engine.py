@@ -1,0 +1,57 @@
+"""`llmc compile` builds paged-KV engines by default; `llmc run` on them matches the contiguous
+engine token for token."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli import main
+from llmc.compiler.engine_file import read_manifest
+
+PROMPTS = ["def fibonacci(", "import os", "x = [", "while True:"]
+
+
+def llmc(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def run_tokens(engine):
+    args = ["run", engine, "--max-new-tokens", 10, "--json"]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    result = llmc(*args)
+    assert result.exit_code == 0, result.output
+    return [json.loads(line)["token_ids"] for line in result.stdout.splitlines()]
+
+
+def test_default_engine_is_paged_and_sized_from_the_options(tiny_llama_engine):
+    paged = read_manifest(tiny_llama_engine)["paged"]
+    assert paged["block_size"] == 32 and paged["max_batch"] == 16 and paged["max_seq_len"] == 512
+    assert paged["num_blocks"] == 16 * 512 // 32
+    # 2 (K and V) × 4 layers × 2 kv heads × 32 tokens × 64 dims × 4 bytes per block
+    assert paged["pool_mb"] == pytest.approx(256 * 2 * 4 * 2 * 32 * 64 * 4 / 2**20)
+    assert "paged: 256 blocks of 32 tokens" in llmc("inspect", tiny_llama_engine).stdout
+
+
+@pytest.mark.parametrize("options", [["--block-size", "8", "--max-batch", "3"],
+                                     ["--kv-pool-mb", "2", "--max-seq-len", "64", "--max-batch", "1"]])
+def test_paged_greedy_tokens_equal_the_contiguous_engine(tiny_llama_onnx, tmp_path, options):
+    assert llmc("compile", tiny_llama_onnx, "-o", tmp_path / "dense.plan", "--no-paged").exit_code == 0
+    result = llmc("compile", tiny_llama_onnx, "-o", tmp_path / "paged.plan", *options)
+    assert result.exit_code == 0, result.output
+    assert read_manifest(tmp_path / "dense.plan")["paged"] is None
+    assert read_manifest(tmp_path / "paged.plan")["paged"]["max_batch"] == int(options[options.index("--max-batch") + 1])
+    assert run_tokens(tmp_path / "paged.plan") == run_tokens(tmp_path / "dense.plan")
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--block-size", "48"], "--block-size: 48 is not supported"),
+    (["--kv-pool-mb", "0.01"], "--kv-pool-mb: 0.01 MiB holds 0 blocks"),
+    (["--max-seq-len", "4096"], "--max-seq-len: 4096 exceeds the model's 512 positions"),
+    (["--max-batch", "0"], "--max-batch: must be ≥ 1"),
+])
+def test_bad_paged_options(tiny_llama_onnx, tmp_path, options, message):
+    result = llmc("compile", tiny_llama_onnx, "-o", tmp_path / "e.plan", *options)
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert not (tmp_path / "e.plan").exists()
