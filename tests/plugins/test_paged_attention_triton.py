@@ -1,0 +1,89 @@
+"""The Triton paged-attention kernel against the NumPy reference, on CPU via Triton's interpreter.
+
+TRITON_INTERPRET=1 is set before triton is first imported (and before the kernel is wrapped by
+triton.jit), so the kernel runs on torch CPU tensors. On a GPU, scripts/gpu_check.py runs the
+full grid (block sizes 1..256, head_dim 64/128, GQA 1..8, fp16/bf16/fp32) and times it.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'llmc[gpu]' or 'llmc[test]')")
+torch = pytest.importorskip("torch")
+
+from llmc.errors import LlmcError
+from llmc.plugins.paged_attention import paged_attention_reference
+from llmc.plugins.paged_attention_triton import paged_attention_triton
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 (CPU tensors)")
+
+TOLERANCE = {np.float32: 2e-5, np.float16: 4e-3}
+
+
+def make_batch(rng, new_tokens, past_lens, *, heads=4, kv_heads=2, head_dim=64, block_size=16,
+               dtype=np.float32, index_dtype=np.int32, spare_blocks=3):
+    """A ragged batch whose sequences own shuffled, non-contiguous blocks of one pool."""
+    seqs, tokens = len(new_tokens), sum(new_tokens)
+    max_blocks = max(1, max(-(-p // block_size) for p in past_lens))
+    num_blocks = seqs * max_blocks + spare_blocks
+    pool = (num_blocks, kv_heads, block_size, head_dim)
+    return dict(
+        query=rng.standard_normal((tokens, heads, head_dim)).astype(dtype),
+        key=rng.standard_normal((tokens, kv_heads, head_dim)).astype(dtype),
+        value=rng.standard_normal((tokens, kv_heads, head_dim)).astype(dtype),
+        key_cache=rng.standard_normal(pool).astype(dtype),
+        value_cache=rng.standard_normal(pool).astype(dtype),
+        block_tables=rng.permutation(num_blocks)[:seqs * max_blocks]
+        .reshape(seqs, max_blocks).astype(index_dtype),
+        context_lens=np.array(past_lens, index_dtype),
+        query_start_loc=np.concatenate([[0], np.cumsum(new_tokens)]).astype(index_dtype),
+    )
+
+
+def run_triton(batch, scale=None):
+    return paged_attention_triton(**{k: torch.from_numpy(v) for k, v in batch.items()},
+                                  scale=scale).numpy()
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("new_tokens,past_lens", [
+    ([5, 1, 1], [0, 7, 30]),          # a fresh prefill beside two decodes
+    ([20, 1, 3], [33, 70, 0]),        # a prefill chunk over a long past, decode, short prefill
+    ([1, 1], [64, 1]),                # decode only, past ending on and inside a block
+])
+def test_matches_reference(block_size, new_tokens, past_lens):
+    batch = make_batch(np.random.default_rng(block_size), new_tokens, past_lens,
+                       block_size=block_size)
+    got = run_triton(batch)
+    want = paged_attention_reference(**batch)
+    np.testing.assert_allclose(got, want, atol=TOLERANCE[np.float32], rtol=0)
+
+
+def test_fp16_int64_tables_and_custom_scale():
+    batch = make_batch(np.random.default_rng(7), [3, 0, 2], [5, 4, 64], block_size=4,
+                       dtype=np.float16, index_dtype=np.int64)
+    got = run_triton(batch, scale=0.05)
+    want = paged_attention_reference(**batch, scale=0.05)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                               atol=TOLERANCE[np.float16], rtol=0)
+
+
+def test_grouped_heads_not_a_power_of_two():
+    batch = make_batch(np.random.default_rng(3), [4, 1], [9, 17], heads=6, kv_heads=2,
+                       block_size=8)
+    np.testing.assert_allclose(run_triton(batch), paged_attention_reference(**batch),
+                               atol=TOLERANCE[np.float32], rtol=0)
+
+
+def test_rejects_unsupported_head_dim():
+    batch = make_batch(np.random.default_rng(0), [1], [3], head_dim=32)
+    with pytest.raises(LlmcError, match="head_dim 32"):
+        run_triton(batch)
