@@ -57,6 +57,14 @@ def run_pass(pass_: Pass, model: onnx.ModelProto, *, tolerance: float = 1e-4) ->
     return result
 
 
+def assert_unchanged(pass_: Pass, model: onnx.ModelProto) -> PassResult:
+    """The pass matches nothing and leaves every op in place (still a valid, equal graph)."""
+    before = op_counts(model)
+    result = run_pass(pass_, model)
+    assert result.matches == 0 and op_counts(result.model) == before
+    return result
+
+
 def small_model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
     """An opset-17 graph whose inputs and outputs are float [2] tensors (structural tests)."""
     value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [2])  # noqa: E731
