@@ -155,16 +155,21 @@ def inspect(path, as_json):
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 disables.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--min-p", default=0.0, show_default=True, type=float, help="0 disables.")
+@click.option("--repetition-penalty", default=1.0, show_default=True, type=float, help="1 disables.")
+@click.option("--presence-penalty", default=0.0, show_default=True, type=float, help="0 disables.")
 @click.option("--seed", type=int, help="Seed for sampling (per request).")
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per completion.")
-def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, seed, stream, as_json):
+def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+        presence_penalty, seed, stream, as_json):
     """Generate completions with an ENGINE file."""
     from llmc.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed)
+                            top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                            presence_penalty=presence_penalty, seed=seed)
     prompts = list(prompts) + (_read_prompts(Path(prompts_file)) if prompts_file else [])
     if not prompts:
         raise LlmcError("--prompt: give at least one prompt (or --prompts-file)")

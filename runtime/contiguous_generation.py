@@ -46,6 +46,7 @@ def generate_tokens(decoder: OnnxRuntimeDecoder, prompts: Sequence[Sequence[int]
     budgets = [min(p.max_new_tokens, decoder.geometry.max_positions - len(prompt))
                for p, prompt in zip(params, prompts)]
     generated = [0] * batch
+    outputs: list[list[int]] = [[] for _ in prompts]
     running = set(range(batch))
     cache = decoder.empty_cache(batch)
 
@@ -55,7 +56,8 @@ def generate_tokens(decoder: OnnxRuntimeDecoder, prompts: Sequence[Sequence[int]
         logits, cache = decoder.step(input_ids, mask, positions, cache)
         next_ids = np.zeros((batch, 1), np.int64)
         for row in sorted(running):
-            token = sample(logits[row, -1], params[row], rngs[row])
+            token = sample(logits[row, -1], params[row], rngs[row], prompts[row], outputs[row])
+            outputs[row].append(token)
             next_ids[row, 0] = token
             generated[row] += 1
             reason = finish_reason(token, generated[row], budgets[row], params[row], eos_id)

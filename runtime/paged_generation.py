@@ -86,6 +86,7 @@ def generate_paged(decoder: PagedDecoder, prompts: Sequence[Sequence[int]],
     budgets = [min(p.max_new_tokens, decoder.max_seq_len - len(prompt))
                for p, prompt in zip(params, prompts)]
     generated = [0] * count
+    outputs: list[list[int]] = [[] for _ in prompts]
     running = list(range(count))
     while running:
         for s in running:
@@ -103,7 +104,8 @@ def generate_paged(decoder: PagedDecoder, prompts: Sequence[Sequence[int]],
         still = []
         for row, s in enumerate(running):
             past[s] += len(pending[s])
-            token = sample(logits[row], params[s], rngs[s])
+            token = sample(logits[row], params[s], rngs[s], prompts[s], outputs[s])
+            outputs[s].append(token)
             generated[s] += 1
             reason = finish_reason(token, generated[s], budgets[s], params[s], eos_id)
             yield TokenEvent(s, token, reason)

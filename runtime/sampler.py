@@ -1,20 +1,26 @@
-"""Choosing the next token from logits: a pure function of logits, settings and a generator."""
+"""Choosing the next token from logits: a pure function of logits, settings, history and a generator."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
 from llmc.runtime.sampling_params import SamplingParams
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           prompt: Sequence[int] = (), output: Sequence[int] = ()) -> int:
     """Pick one token id from a row of logits.
 
     Args:
         logits: [vocab] scores for the next token.
-        params: the request's settings; temperature 0 is greedy.
+        params: the request's settings; temperature 0 is greedy (after penalties).
         rng: the request's own generator, so its draws do not depend on other requests.
+        prompt: the request's prompt tokens (for the repetition penalty).
+        output: the tokens it generated so far (repetition and presence penalties).
     """
+    logits = penalized(logits, params, prompt, output)
     if params.greedy:
         return int(np.argmax(logits))
     scores = logits.astype(np.float64) / params.temperature
@@ -31,4 +37,22 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
         kept = np.zeros_like(probs)
         kept[keep] = probs[keep]
         probs = kept / kept.sum()
+    if params.min_p > 0:
+        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
     return int(rng.choice(probs.size, p=probs))
+
+
+def penalized(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int],
+              output: Sequence[int]) -> np.ndarray:
+    """Logits after the repetition and presence penalties (unchanged when both are off)."""
+    if params.repetition_penalty == 1 and params.presence_penalty == 0:
+        return logits
+    logits = logits.astype(np.float64)
+    if params.repetition_penalty != 1:
+        seen = np.unique(np.concatenate([np.asarray(prompt, np.int64), np.asarray(output, np.int64)]))
+        logits[seen] = np.where(logits[seen] > 0, logits[seen] / params.repetition_penalty,
+                                logits[seen] * params.repetition_penalty)
+    if params.presence_penalty and len(output):
+        logits[np.unique(np.asarray(output, np.int64))] -= params.presence_penalty
+    return logits

@@ -16,6 +16,11 @@ class SamplingParams:
         temperature: 0 picks the most likely token (greedy); larger values flatten the distribution.
         top_k: sample only among the k most likely tokens; 0 disables.
         top_p: sample only from the smallest set of tokens whose probability reaches p (0 < p ≤ 1).
+        min_p: drop tokens whose probability is below min_p × the top token's (0 disables).
+        repetition_penalty: divide positive (multiply negative) logits of tokens already in the
+            prompt or output by this (Hugging Face's rule; 1 disables).
+        presence_penalty: subtract this from the logits of tokens already generated (OpenAI's
+            rule; 0 disables, negative encourages repeats).
         seed: makes sampling reproducible per request; None draws fresh entropy.
         stop_token_ids: extra token ids that end the completion (the tokenizer's EOS always does).
         ignore_eos: keep generating past EOS (benchmarks that need fixed output lengths).
@@ -25,6 +30,9 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -38,6 +46,12 @@ class SamplingParams:
             raise LlmcError(f"top_k must be an integer ≥ 0 (0 disables it), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise LlmcError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p <= 1:
+            raise LlmcError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0:
+            raise LlmcError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not -2 <= self.presence_penalty <= 2:
+            raise LlmcError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise LlmcError(f"seed must be a non-negative integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from llmc.errors import LlmcError
-from llmc.runtime.sampler import sample
+from llmc.runtime.sampler import penalized, sample
 from llmc.runtime.sampling_params import SamplingParams
 
 LOGITS = np.log(np.array([0.05, 0.4, 0.3, 0.15, 0.1], np.float32))
@@ -59,5 +59,36 @@ def test_same_seed_same_draws():
     ("seed", -3, "seed must be a non-negative integer"),
 ])
 def test_invalid_settings_are_rejected(field, value, message):
+    with pytest.raises(LlmcError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top():
+    # Top probability 0.4: min_p 0.5 keeps tokens ≥ 0.2, i.e. 0.4 and 0.3.
+    freq = frequencies(SamplingParams(temperature=1.0, min_p=0.5))
+    np.testing.assert_allclose(freq, [0, 0.4 / 0.7, 0.3 / 0.7, 0, 0], atol=0.03)
+
+
+def test_repetition_penalty_follows_hugging_face():
+    logits = np.array([2.0, -1.0, 0.5, 3.0])
+    got = penalized(logits, SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1, 1])
+    np.testing.assert_allclose(got, [1.0, -2.0, 0.5, 3.0])
+    # The penalty flips the greedy choice away from the prompt's token.
+    assert sample(np.array([3.0, 2.0]), SamplingParams(repetition_penalty=2.0), np.random.default_rng(),
+                  prompt=[0]) == 1
+
+
+def test_presence_penalty_counts_generated_tokens_once():
+    logits = np.array([1.0, 1.0, 1.0])
+    got = penalized(logits, SamplingParams(presence_penalty=0.5), prompt=[2], output=[0, 0])
+    np.testing.assert_allclose(got, [0.5, 1.0, 1.0])  # the prompt's token is not penalized
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("min_p", 1.5, r"min_p must be in \[0, 1\]"),
+    ("repetition_penalty", 0.0, "repetition_penalty must be > 0"),
+    ("presence_penalty", 3.0, r"presence_penalty must be in \[-2, 2\]"),
+])
+def test_invalid_penalties_are_rejected(field, value, message):
     with pytest.raises(LlmcError, match=message):
         SamplingParams(**{field: value})
