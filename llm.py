@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 from llmc.compiler.engine_file import read_engine
@@ -11,7 +12,7 @@ from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
 from llmc.runtime.backends.onnxruntime import OnnxRuntimeDecoder
 from llmc.runtime.contiguous_generation import TokenEvent, generate_tokens
-from llmc.runtime.paged_generation import PagedDecoder, generate_paged
+from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -44,6 +45,7 @@ class LLM:
     """
 
     def __init__(self, engine_path: str | os.PathLike, threads: int | None = None):
+        self.path = Path(engine_path)
         engine = read_engine(engine_path)
         if engine.manifest.get("backend") != "onnxruntime":
             raise LlmcError(f"{engine_path}: backend '{engine.manifest.get('backend')}' cannot run "
@@ -105,15 +107,17 @@ class LLM:
         return ids
 
     def _generate(self, ids: list[list[int]], params: list[SamplingParams]) -> Iterator[TokenEvent]:
-        """Token events from the paged runtime (max_batch sequences at a time) or the dense one."""
+        """Token events from the continuous-batching engine (paged engines) or the dense loop."""
         if not self._paged:
             yield from generate_tokens(self._decoder, ids, params, self.tokenizer.eos_id)
             return
-        group = self.manifest["paged"]["max_batch"]
-        for start in range(0, len(ids), group):
-            for event in generate_paged(self._paged, ids[start:start + group], params[start:start + group],
-                                        self.tokenizer.eos_id):
-                yield TokenEvent(start + event.index, event.token_id, event.finish_reason)
+        from llmc.runtime.engine import Engine
+
+        engine = Engine(self)
+        index = {engine.add_request(prompt, p): i for i, (prompt, p) in enumerate(zip(ids, params))}
+        while engine.has_unfinished():
+            for output in engine.step():
+                yield TokenEvent(index[output.request_id], output.new_token_ids[0], output.finish_reason)
 
     @staticmethod
     def _params_per_prompt(params, count: int) -> list[SamplingParams]:

@@ -23,6 +23,7 @@ class SamplingParams:
             rule; 0 disables, negative encourages repeats).
         seed: makes sampling reproducible per request; None draws fresh entropy.
         stop_token_ids: extra token ids that end the completion (the tokenizer's EOS always does).
+        stop: strings that end the completion when they appear in its text (excluded from it).
         ignore_eos: keep generating past EOS (benchmarks that need fixed output lengths).
     """
 
@@ -35,6 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -55,6 +57,9 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise LlmcError(f"seed must be a non-negative integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise LlmcError(f"stop strings must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,215 @@
+"""Iteration-level scheduling: which requests run in the next step, and how many tokens each.
+
+Every step packs, under a token budget and a cap on sequences:
+  1. running requests that decode (one token each) — first, so a long prompt never freezes them;
+  2. running requests still in prefill, one chunk each (chunked prefill) with what budget is left;
+  3. waiting requests, admitted in FIFO or priority order while seats, budget and KV blocks last.
+When a running request needs a block for its next token and the pool is empty, the scheduler
+preempts by recompute: the lowest-ranked running request (the newest under FIFO) gives back all
+its blocks and returns to the front of the queue with its output so far, to be prefilled again
+later. Nothing is lost or corrupted; it only costs recomputation. Blocks are touched only
+through the block manager.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from llmc.errors import LlmcError
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.sampling_params import SamplingParams
+
+POLICIES = ("fifo", "priority")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How much one step may hold, and in what order waiting requests are admitted.
+
+    Args:
+        max_num_seqs: sequences in one step.
+        max_num_batched_tokens: tokens in one step (prefill chunks and decode tokens together).
+        policy: "fifo" (arrival order) or "priority" (lower value first, then arrival).
+        max_wait_ms: hold new requests up to this long while too few wait to fill the free
+            seats, trading a little latency for fuller batches; 0 admits at once.
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    policy: str = "fifo"
+    max_wait_ms: float = 0.0
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise LlmcError(f"max_num_seqs must be ≥ 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise LlmcError(f"max_num_batched_tokens must be ≥ 1, got {self.max_num_batched_tokens}")
+        if self.policy not in POLICIES:
+            raise LlmcError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.max_wait_ms >= 0:
+            raise LlmcError(f"max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose keys and values are in the pool
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    text: str = ""  # output text released so far
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def rank(self) -> tuple:
+        return (self.priority, self.arrival)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Tokens token_ids[start:start + count] of `request` run in this step."""
+
+    request: Request
+    start: int
+    count: int
+
+
+class Scheduler:
+    """Waiting and running queues, the token budget and preemption.
+
+    Args:
+        config: budget, caps, policy.
+        blocks: the block manager owning the KV pool's blocks.
+    """
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config, self.blocks = config, blocks
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.preemptions = 0
+        self.copies: list[tuple[int, int]] = []  # block copies the next step must perform first
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is; returns it, or None if unknown or finished."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self._release(request, "abort")
+                    return request
+        return None
+
+    def finish(self, request: Request, reason: str) -> None:
+        self.running.remove(request)
+        self._release(request, reason)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float | None = None) -> list[Chunk]:
+        """The next step's chunks; may preempt running requests to free blocks."""
+        now = time.monotonic() if now is None else now
+        budget = self.config.max_num_batched_tokens
+        self.copies = []
+        chunks: list[Chunk] = []
+        preempted = False
+        # Decoding requests first, then prefill chunks: short requests keep moving while a
+        # long prompt is processed in pieces.
+        for decoding in (True, False):
+            for request in list(self.running):
+                if request not in self.running or (self._remaining(request) == 1) != decoding:
+                    continue
+                if not self._make_room(request):
+                    preempted = True
+                    continue
+                count = min(self._remaining(request), budget)
+                if count == 0:
+                    continue
+                chunks.append(Chunk(request, request.num_computed, count))
+                budget -= count
+        if not preempted:
+            chunks += self._admit(budget, now)
+        return chunks
+
+    def _admit(self, budget: int, now: float) -> list[Chunk]:
+        chunks = []
+        free_seats = self.config.max_num_seqs - len(self.running)
+        if self.waiting and self.config.max_wait_ms > 0 and len(self.waiting) < free_seats:
+            oldest = min(r.arrival for r in self.waiting)
+            if (now - oldest) * 1000 < self.config.max_wait_ms:
+                return chunks
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0] if self.config.policy == "fifo" else min(self.waiting, key=Request.rank)
+            if not self.blocks.can_allocate(request.request_id, request.token_ids):
+                break  # wait for blocks; admitting out of order would starve it
+            self.waiting.remove(request)
+            request.num_computed = self.blocks.allocate(request.request_id, request.token_ids)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            count = min(self._remaining(request), budget)
+            chunks.append(Chunk(request, request.num_computed, count))
+            budget -= count
+        return chunks
+
+    def _make_room(self, request: Request) -> bool:
+        """Give the request a slot for its newest token, preempting others if needed.
+
+        Returns False when the request itself had to be preempted.
+        """
+        while self.blocks.num_tokens(request.request_id) < len(request.token_ids):
+            if self.blocks.can_append(request.request_id):
+                token = request.token_ids[self.blocks.num_tokens(request.request_id)]
+                self.copies += self.blocks.append_slot(request.request_id, token)
+                continue
+            victim = max(self.running, key=self._preemption_rank)
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preemption_rank(self, request: Request) -> tuple:
+        # FIFO preempts the newest; priority the least important, then the newest.
+        if self.config.policy == "fifo":
+            return (request.arrival,)
+        return request.rank()
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.request_id)
+        request.num_computed = 0
+        request.status = Status.WAITING
+        self.waiting.insert(0, request)
+        self.preemptions += 1
+
+    def _remaining(self, request: Request) -> int:
+        return len(request.token_ids) - request.num_computed
+
+    def _release(self, request: Request, reason: str) -> None:
+        if request.request_id in self.blocks:
+            self.blocks.free(request.request_id)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
