@@ -260,3 +260,42 @@ def _read_prompts(path: Path) -> list[str]:
             raise LlmcError(f"{path}:{number}: expected an object with a string 'prompt'")
         prompts.append(record["prompt"])
     return prompts
+
+
+@main.command()
+@click.argument("engine_path", metavar="ENGINE", type=click.Path(dir_okay=False))
+@click.option("--requests", default=None, type=int, help="Requests to send (default 64, or one per prompt of --prompts-file).")
+@click.option("--prompt-len", default=128, show_default=True, type=int, help="Prompt tokens (low end with --prompt-len-max).")
+@click.option("--prompt-len-max", default=None, type=int, help="Draw prompt lengths uniformly up to this.")
+@click.option("--output-len", default=64, show_default=True, type=int, help="Output tokens (low end with --output-len-max).")
+@click.option("--output-len-max", default=None, type=int, help="Draw output lengths uniformly up to this.")
+@click.option("--prompts-file", type=click.Path(dir_okay=False),
+              help="Text prompts (lines, or JSONL with 'prompt') instead of random token ids.")
+@click.option("--rate", default=None, type=float, help="Requests/s, Poisson arrivals (default: all at t=0).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--max-num-seqs", default=None, type=int, help="Scheduler: sequences per step.")
+@click.option("--max-num-batched-tokens", default=None, type=int, help="Scheduler: tokens per step.")
+@click.option("--threads", default=None, type=int, help="CPU threads (default: every core).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write TTFT/TPOT histograms and throughput over time (PNG).")
+def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_len_max, prompts_file, rate, seed,
+          max_num_seqs, max_num_batched_tokens, threads, as_json, plot):
+    """Serve a synthetic workload with ENGINE and report throughput and latency."""
+    from llmc.runtime import bench as serving
+
+    prompts = _read_prompts(Path(prompts_file)) if prompts_file else None
+    if requests is None:
+        requests = len(prompts) if prompts else 64
+    spec = serving.WorkloadSpec(requests=requests, prompt_len=prompt_len, prompt_len_max=prompt_len_max,
+                                output_len=output_len, output_len_max=output_len_max, rate=rate, seed=seed)
+    if plot:
+        serving.require_matplotlib()
+    engine, workload = serving.prepare(_existing(engine_path), spec, prompts=prompts, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=max_num_batched_tokens, threads=threads)
+    with click.progressbar(length=sum(r.output_len for r in workload), label="llmc bench", file=sys.stderr) as bar:
+        result = serving.run_workload(engine, workload, progress=bar.update)
+    summary = serving.summarize(result)
+    click.echo(json.dumps(summary) if as_json else serving.render(summary))
+    if plot:
+        serving.plot(result, plot, title=f"llmc bench {Path(engine_path).name}: {summary['requests']} requests")
+        _progress(f"wrote {plot}")

@@ -1,0 +1,424 @@
+"""Serving benchmark: llmc's Engine against Hugging Face `generate` and onnxruntime-genai.
+
+The checkpoint is optimize_bench's ~32M-parameter Llama (random seeded weights), with 4,096
+positions so that a 3,000-token prompt fits. One run, CPU, the same thread count everywhere:
+
+Scenario 1, offline throughput: N requests (default 64) with prompts of 16-512 random tokens and
+outputs of 16-128 tokens (uniform, seeded), all at t=0; exact output lengths (EOS ignored).
+Useful output = the requested tokens; tokens a system generates past a request's own length
+(padding to the batch's longest) are waste, not output.
+
+  llmc            `llmc export` + `llmc compile` (default paged options), Engine offline:
+                  continuous batching, chunked prefill (runtime/bench.py drives it)
+  hf-static       transformers `generate`, batches of 16 in arrival order, left padding, greedy,
+                  max_new_tokens = min_new_tokens = the batch's longest requested output
+  hf-single       transformers `generate`, one request at a time
+  genai           onnxruntime-genai (og.Model/og.Generator over its model builder's output),
+                  groups of 16 in arrival order run to completion, left padding, greedy
+
+Scenario 2, interference (llmc only): 16 short requests (prompts 32-128, 16 output tokens)
+arriving at Poisson times after t=0, alone and with one 3,000-token prompt (64 output tokens)
+added at t=0. Reported: the short requests' p99 TTFT in both runs and their ratio.
+
+    python bench/serving_bench.py [--json] [--quick] [--save-json PATH] [--threads 2] [--work-dir DIR]
+
+Progress goes to stderr; stdout gets the table, or one JSON object with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+from optimize_bench import (DEFAULT_WORK_DIR, ModelSpec, _cpu_name, _git_state, _versions,  # noqa: E402
+                            ensure_checkpoint, log)
+
+from llmc.runtime.bench import BenchRequest, WorkloadSpec, make_workload, run_workload, summarize  # noqa: E402
+
+SPEC = ModelSpec(max_positions=4096)
+# Goals of issue 5.
+GOALS = {"vs_hf_static": 3.0, "vs_genai": 2.0, "ttft_interference": 2.0, "kv_utilization": 0.96}
+GROUP = 16  # static batch size of hf-static and genai; also the engine's default max batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """Sizes of one run: the full measurement or a smoke run."""
+
+    requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+    long_prompt: int
+    long_output: int
+    shorts: int
+    short_prompt: tuple[int, int]
+    short_output: int
+    short_rate: float  # requests/s
+    hf_single: int  # requests run one at a time (a prefix of the workload)
+
+
+FULL = Scale(requests=64, prompt_len=(16, 512), output_len=(16, 128), long_prompt=3000, long_output=64,
+             shorts=16, short_prompt=(32, 128), short_output=16, short_rate=8.0, hf_single=64)
+QUICK = Scale(requests=8, prompt_len=(16, 64), output_len=(4, 16), long_prompt=600, long_output=8,
+              shorts=4, short_prompt=(16, 32), short_output=4, short_rate=20.0, hf_single=4)
+
+
+# --- building --------------------------------------------------------------------------------
+
+
+def build(checkpoint: Path, out: Path, cache: Path) -> dict[str, Any]:
+    """The llmc engine and the genai model folder; returns their paths and build times."""
+    from llmc.compiler.build import compile_model
+    from llmc.compiler.export import export
+
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    built: dict[str, Any] = {}
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):
+        export(str(checkpoint), out / "model.onnx", check=False, progress=lambda m: log(f"  {m}"))
+        manifest = compile_model(out / "model.onnx", out / "engine.plan", progress=lambda m: log(f"  {m}"))
+    built["llmc_engine"] = out / "engine.plan"
+    built["llmc_build_s"] = round(time.perf_counter() - start, 1)
+    built["paged"] = manifest["paged"]
+    log(f"build: llmc engine in {built['llmc_build_s']} s: {manifest['paged']}")
+    start = time.perf_counter()
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
+               "-o", str(out / "genai"), "-p", "fp32", "-e", "cpu", "-c", str(cache)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        built["genai_error"] = f"builder exit {done.returncode}: " + " | ".join(tail)
+        log(f"build: genai FAILED: {built['genai_error']}")
+    else:
+        built["genai_model"] = out / "genai"
+        built["genai_build_s"] = round(time.perf_counter() - start, 1)
+        log(f"build: genai model in {built['genai_build_s']} s")
+    return built
+
+
+# --- workloads -------------------------------------------------------------------------------
+
+
+def _plain_tokens(ids: list[int], special: set[int]) -> list[int]:
+    """Random ids with the special ones (BOS, EOS = genai's pad) moved off, so no system reads padding."""
+    return [t + len(special) if t in special else t for t in ids]
+
+
+def offline_workload(scale: Scale, seed: int, special: set[int]) -> list[BenchRequest]:
+    spec = WorkloadSpec(requests=scale.requests, prompt_len=scale.prompt_len[0], prompt_len_max=scale.prompt_len[1],
+                        output_len=scale.output_len[0], output_len_max=scale.output_len[1], seed=seed)
+    return [dataclasses.replace(r, prompt=_plain_tokens(r.prompt, special))
+            for r in make_workload(spec, SPEC.vocab_size)]
+
+
+def interference_workloads(scale: Scale, seed: int, special: set[int]) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(shorts alone, long + shorts): the shorts arrive at the same Poisson times in both."""
+    spec = WorkloadSpec(requests=scale.shorts, prompt_len=scale.short_prompt[0], prompt_len_max=scale.short_prompt[1],
+                        output_len=scale.short_output, rate=scale.short_rate, seed=seed + 1)
+    first_gap = 1.0 / scale.short_rate  # the first short arrives one mean gap after the long one
+    shorts = [dataclasses.replace(r, prompt=_plain_tokens(r.prompt, special), arrival_s=r.arrival_s + first_gap)
+              for r in make_workload(spec, SPEC.vocab_size)]
+    rng = np.random.default_rng(seed + 2)
+    long = BenchRequest(_plain_tokens(rng.integers(0, SPEC.vocab_size, scale.long_prompt).tolist(), special),
+                        scale.long_output, 0.0)
+    return shorts, [long, *shorts]
+
+
+# --- the systems -----------------------------------------------------------------------------
+
+
+def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int) -> dict[str, Any]:
+    from llmc.runtime.engine import Engine
+
+    engine = Engine.from_file(engine_path, threads=threads)
+    run_workload(engine, [BenchRequest(workload[0].prompt[:16], 4)])  # warm-up
+    engine = Engine.from_file(engine_path, threads=threads)  # fresh counters
+    done = 0
+
+    def progress(tokens: int) -> None:
+        nonlocal done
+        done += tokens
+        if done // 500 != (done - tokens) // 500:
+            log(f"  llmc: {done} tokens")
+
+    result = run_workload(engine, workload, progress)
+    summary = summarize(result)
+    summary["config"] = dataclasses.asdict(engine.config)
+    return summary
+
+
+def _finish(name: str, useful: int, generated: int, seconds: float, **extra) -> dict[str, Any]:
+    log(f"{name}: {useful} useful tokens ({generated} generated) in {seconds:.1f} s → {useful / seconds:.1f} tok/s")
+    return {"useful_tokens": useful, "generated_tokens": generated, "seconds": round(seconds, 3),
+            "throughput_tok_s": round(useful / seconds, 2), **extra}
+
+
+def load_hf(checkpoint: Path, threads: int):
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return model
+
+
+def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int):
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    return out.shape[1] - width
+
+
+def run_hf_static(model, workload: list[BenchRequest], pad: int) -> dict[str, Any]:
+    _hf_generate(model, [workload[0].prompt[:16]], 4, pad)  # warm-up
+    start, generated = time.perf_counter(), 0
+    for first in range(0, len(workload), GROUP):
+        group = workload[first:first + GROUP]
+        longest = max(r.output_len for r in group)
+        made = _hf_generate(model, [r.prompt for r in group], longest, pad)
+        if made != longest:
+            raise RuntimeError(f"hf-static: generate made {made} tokens, asked for {longest}")
+        generated += longest * len(group)
+        log(f"  hf-static: batch {first // GROUP + 1}: {len(group)} × {longest} tokens")
+    useful = sum(r.output_len for r in workload)
+    return _finish("hf-static", useful, generated, time.perf_counter() - start, batch=GROUP)
+
+
+def run_hf_single(model, workload: list[BenchRequest], pad: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    for index, request in enumerate(workload):
+        made = _hf_generate(model, [request.prompt], request.output_len, pad)
+        if made != request.output_len:
+            raise RuntimeError(f"hf-single: generate made {made} tokens, asked for {request.output_len}")
+        if index % 8 == 7:
+            log(f"  hf-single: {index + 1} requests")
+    useful = sum(r.output_len for r in workload)
+    return _finish("hf-single", useful, useful, time.perf_counter() - start, requests=len(workload))
+
+
+def run_genai(folder: Path, workload: list[BenchRequest], threads: int, pad: int) -> dict[str, Any]:
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+        "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+    model = og.Model(config)
+
+    def run_group(group: list[BenchRequest]) -> int:
+        width = max(len(r.prompt) for r in group)
+        longest = max(r.output_len for r in group)
+        ids = np.array([[pad] * (width - len(r.prompt)) + r.prompt for r in group], dtype=np.int32)
+        params = og.GeneratorParams(model)
+        # min_length keeps EOS from ending a sequence early: every row makes `longest` tokens.
+        params.set_search_options(max_length=width + longest, min_length=width + longest, do_sample=False,
+                                  batch_size=len(group))
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        steps = 0
+        while not generator.is_done():
+            generator.generate_next_token()
+            steps += 1
+        made = len(generator.get_sequence(0)) - width
+        if made != longest:
+            raise RuntimeError(f"genai: made {made} tokens, asked for {longest}")
+        return longest * len(group)
+
+    run_group([BenchRequest(workload[0].prompt[:16], 4)])  # warm-up
+    start, generated = time.perf_counter(), 0
+    for first in range(0, len(workload), GROUP):
+        generated += run_group(workload[first:first + GROUP])
+        log(f"  genai: group {first // GROUP + 1} done")
+    useful = sum(r.output_len for r in workload)
+    return _finish("genai", useful, generated, time.perf_counter() - start, batch=GROUP)
+
+
+def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[BenchRequest],
+                     threads: int) -> dict[str, Any]:
+    from llmc.runtime.engine import Engine
+
+    def short_ttfts(workload: list[BenchRequest], skip: int) -> tuple[dict[str, Any], list[float]]:
+        engine = Engine.from_file(engine_path, threads=threads)
+        run_workload(engine, [BenchRequest(workload[-1].prompt[:16], 2)])  # warm-up
+        result = run_workload(engine, workload)
+        records = result.records[skip:]
+        if any(r.error for r in result.records):
+            raise RuntimeError("interference: " + "; ".join(r.error for r in result.records if r.error))
+        ttfts = [r.ttft_s * 1e3 for r in records]
+        return result, ttfts
+
+    _, alone = short_ttfts(shorts, 0)
+    result, together = short_ttfts(mixed, 1)
+    long = result.records[0]
+    p99_alone, p99_together = float(np.percentile(alone, 99)), float(np.percentile(together, 99))
+    out = {"shorts": len(shorts), "long_prompt": len(mixed[0].prompt),
+           "short_arrivals_s": [round(r.arrival_s, 3) for r in shorts],
+           "long_first_token_s": round(long.first_token_s, 3), "long_finish_s": round(long.finish_s, 3),
+           "shorts_finished_before_long": sum(r.finish_s <= long.finish_s for r in result.records[1:]),
+           "ttft_ms_p50_alone": round(float(np.median(alone)), 2),
+           "ttft_ms_p99_alone": round(p99_alone, 2),
+           "ttft_ms_p50_with_long": round(float(np.median(together)), 2),
+           "ttft_ms_p99_with_long": round(p99_together, 2),
+           "p99_ratio": round(p99_together / p99_alone, 2)}
+    log(f"interference: short p99 TTFT {out['ttft_ms_p99_alone']} ms alone, {out['ttft_ms_p99_with_long']} ms "
+        f"with the {len(mixed[0].prompt)}-token prompt ({out['p99_ratio']}×)")
+    return out
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    scale = QUICK if args.quick else dataclasses.replace(FULL, requests=args.requests)
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    checkpoint = work / "hf-llama-32m-4k"
+    parameters = ensure_checkpoint(checkpoint, SPEC)
+    built = build(checkpoint, work / "serving", work / "genai-cache")
+    from llmc.tokenizer import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    pad = tokenizer.eos_id  # the checkpoint's pad token (genai pads with it)
+    special = {tokenizer.bos_id, tokenizer.eos_id}
+    workload = offline_workload(scale, args.seed, special)
+    log(f"workload: {len(workload)} requests, {sum(len(r.prompt) for r in workload)} prompt tokens, "
+        f"{sum(r.output_len for r in workload)} output tokens")
+    systems: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+
+    def attempt(name: str, thunk) -> None:
+        log(f"run: {name}")
+        try:
+            systems[name] = thunk()
+        except Exception as exc:  # a failing system is a result to report, not the end of the run
+            errors[name] = f"{type(exc).__name__}: {str(exc).strip()}"[:1000]
+            log(f"run: {name} FAILED: {errors[name]}")
+
+    attempt("llmc", lambda: run_llmc(built["llmc_engine"], workload, args.threads))
+    shorts, mixed = interference_workloads(scale, args.seed, special)
+    interference = None
+    try:
+        interference = run_interference(built["llmc_engine"], shorts, mixed, args.threads)
+    except Exception as exc:
+        errors["interference"] = f"{type(exc).__name__}: {str(exc).strip()}"[:1000]
+        log(f"interference FAILED: {errors['interference']}")
+    gc.collect()  # drop the engines' sessions and pools before the others run
+    if "genai_model" in built:
+        attempt("genai", lambda: run_genai(built["genai_model"], workload, args.threads, pad))
+    else:
+        errors["genai"] = built["genai_error"]
+    model = load_hf(checkpoint, args.threads)
+    attempt("hf-static", lambda: run_hf_static(model, workload, pad))
+    attempt("hf-single", lambda: run_hf_single(model, workload[:scale.hf_single], pad))
+
+    ratios = {}
+    if "llmc" in systems:
+        mine = systems["llmc"]["throughput_tok_s"]
+        ratios = {f"llmc_vs_{name}": round(mine / s["throughput_tok_s"], 2)
+                  for name, s in systems.items() if name != "llmc"}
+    return {
+        "benchmark": "serving", "quick": args.quick, "seed": args.seed, "threads": args.threads,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {**dataclasses.asdict(SPEC), "parameters": parameters},
+        "workload": {"requests": len(workload), "prompt_len": scale.prompt_len, "output_len": scale.output_len,
+                     "prompt_tokens": sum(len(r.prompt) for r in workload),
+                     "output_tokens": sum(r.output_len for r in workload)},
+        "engine": {"paged": built["paged"], "build_s": built["llmc_build_s"]},
+        "systems": systems, "ratios": ratios, "interference": interference, "errors": errors,
+        "goals": GOALS,
+        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "loadavg_start": load_start,
+                    "loadavg_end": os.getloadavg()},
+        "versions": _versions(), "git": _git_state(),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    w = result["workload"]
+    lines = [f"Serving benchmark — {result['model']['parameters'] / 1e6:.1f}M Llama, fp32, {result['threads']} threads, "
+             f"{w['requests']} requests (prompts {w['prompt_len'][0]}-{w['prompt_len'][1]}, outputs "
+             f"{w['output_len'][0]}-{w['output_len'][1]}; {w['prompt_tokens']} prompt / {w['output_tokens']} "
+             f"output tokens), load avg {result['machine']['loadavg_start'][0]:.2f} → "
+             f"{result['machine']['loadavg_end'][0]:.2f}", ""]
+    rows = [["system", "useful tok/s", "seconds", "generated", "llmc ×"]]
+    for name, s in result["systems"].items():
+        useful = s.get("output_tokens", s.get("useful_tokens"))
+        seconds = s.get("duration_s", s.get("seconds"))
+        generated = s.get("generated_tokens", useful)
+        ratio = result["ratios"].get(f"llmc_vs_{name}")
+        rows.append([name, f"{s['throughput_tok_s']:.1f}", f"{seconds:.1f}", str(generated),
+                     f"{ratio:.2f}" if ratio else "-"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(r, widths)))
+              for r in rows]
+    llmc = result["systems"].get("llmc")
+    if llmc:
+        lines += ["", f"llmc: TTFT p50 {llmc['ttft_ms_p50']} ms, p99 {llmc['ttft_ms_p99']} ms; TPOT p50 "
+                      f"{llmc['tpot_ms_p50']} ms, p99 {llmc['tpot_ms_p99']} ms; kv_utilization "
+                      f"{llmc['kv_utilization']:.3f}; preemptions {llmc['preemptions']}; steps {llmc['steps']}"]
+    i = result["interference"]
+    if i:
+        lines += [f"interference: {i['shorts']} short requests, p99 TTFT {i['ttft_ms_p99_alone']} ms alone, "
+                  f"{i['ttft_ms_p99_with_long']} ms with a {i['long_prompt']}-token prompt in flight "
+                  f"({i['p99_ratio']}×; p50 {i['ttft_ms_p50_alone']} → {i['ttft_ms_p50_with_long']} ms)"]
+    goals = result["goals"]
+    checks = []
+    if "llmc_vs_hf-static" in result["ratios"]:
+        checks.append(f"vs hf-static {result['ratios']['llmc_vs_hf-static']}× (goal ≥ {goals['vs_hf_static']}×)")
+    if "llmc_vs_genai" in result["ratios"]:
+        checks.append(f"vs genai {result['ratios']['llmc_vs_genai']}× (goal ≥ {goals['vs_genai']}×)")
+    if i:
+        checks.append(f"TTFT interference {i['p99_ratio']}× (goal ≤ {goals['ttft_interference']}×)")
+    if llmc:
+        checks.append(f"kv_utilization {llmc['kv_utilization']:.3f} (goal ≥ {goals['kv_utilization']})")
+    lines += ["goals: " + "; ".join(checks)]
+    lines += [f"FAILED {name}: {message}" for name, message in result["errors"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--quick", action="store_true", help="tiny workload: a smoke run, not a measurement")
+    parser.add_argument("--save-json", metavar="PATH", help="also write the JSON object to PATH")
+    parser.add_argument("--requests", type=int, default=64, help="offline requests (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for every system (default 2)")
+    parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR),
+                        help="where the checkpoint is cached and models are built (default bench/.work)")
+    args = parser.parse_args(argv)
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+    result = run(args)
+    text = json.dumps(result, indent=2, default=str)
+    if args.save_json:
+        Path(args.save_json).write_text(text + "\n")
+    print(text if args.json else render(result))
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
