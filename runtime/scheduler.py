@@ -2,8 +2,8 @@
 
 Every step packs, under a token budget and a cap on sequences:
   1. running requests that decode (one token each) — first, so a long prompt never freezes them;
-  2. running requests still in prefill, one chunk each (chunked prefill) with what budget is left;
-  3. waiting requests, admitted in FIFO or priority order while seats, budget and KV blocks last.
+  2. waiting requests, admitted in FIFO or priority order while seats, budget and KV blocks last;
+  3. running requests still in prefill, one chunk each (chunked prefill) with what budget is left.
 When a running request needs a block for its next token and the pool is empty, the scheduler
 preempts by recompute: the lowest-ranked running request (the newest under FIFO) gives back all
 its blocks and returns to the front of the queue with its output so far, to be prefilled again
@@ -137,11 +137,13 @@ class Scheduler:
         self.copies = []
         chunks: list[Chunk] = []
         preempted = False
-        # Decoding requests first, then prefill chunks: short requests keep moving while a
-        # long prompt is processed in pieces.
+        # Decodes first, then newly admitted prompts, then the chunks of prompts already in
+        # prefill: a long prompt is processed in pieces with what budget is left, while short
+        # requests keep decoding and new ones get their first token without waiting for it.
         for decoding in (True, False):
             for request in list(self.running):
-                if request not in self.running or (self._remaining(request) == 1) != decoding:
+                if request not in self.running or (self._remaining(request) == 1) != decoding \
+                        or any(c.request is request for c in chunks):
                     continue
                 if not self._make_room(request):
                     preempted = True
@@ -151,8 +153,10 @@ class Scheduler:
                     continue
                 chunks.append(Chunk(request, request.num_computed, count))
                 budget -= count
-        if not preempted:
-            chunks += self._admit(budget, now)
+            if decoding and not preempted:
+                admitted = self._admit(budget, now)
+                chunks += admitted
+                budget -= sum(c.count for c in admitted)
         return chunks
 
     def _admit(self, budget: int, now: float) -> list[Chunk]:

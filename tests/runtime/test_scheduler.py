@@ -126,3 +126,18 @@ def test_requests_keep_their_random_streams():
     a = Request("a", [1], SamplingParams(seed=3))
     b = Request("b", [1], SamplingParams(seed=3))
     assert np.array_equal(a.rng.integers(0, 100, 5), b.rng.integers(0, 100, 5))
+
+
+def test_new_requests_are_admitted_before_a_running_prefill_continues():
+    blocks = BlockManager(64, 16)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), blocks)
+    long_prompt = Request("long", list(range(1, 301)), SamplingParams(max_new_tokens=1), arrival=0.0)
+    scheduler.add(long_prompt)
+    first = scheduler.schedule(now=0.0)
+    assert [(c.request.request_id, c.count) for c in first] == [("long", 64)]
+    long_prompt.num_computed += 64
+    blocks.mark_computed("long", 64)
+    scheduler.add(Request("short", [1, 2, 3], SamplingParams(), arrival=1.0))
+    second = scheduler.schedule(now=1.0)
+    # The newcomer's whole prompt goes first; the long prompt continues with the rest.
+    assert [(c.request.request_id, c.count) for c in second] == [("short", 3), ("long", 61)]
