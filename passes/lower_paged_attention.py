@@ -6,8 +6,8 @@ paged interface the serving runtime drives:
 
     inputs   input_ids, position_ids [1, tokens]     new tokens of all sequences, packed
              key_cache.{i}, value_cache.{i}          [blocks, kv_heads, block_size, head_dim]
-             paged_gather_rows, paged_block_ids,     the step's layout (plugins/
-             paged_mask, paged_scatter_rows          paged_attention_onnx.plan_step)
+             paged_block_ids, paged_mask             the step's layout (plugins/
+                                                     paged_attention_onnx.plan_step)
              logits_rows [seqs]                      packed row whose logits each sequence needs
     outputs  logits [1, seqs, vocab]                 only the rows asked for (last token of each)
              new_key.{i}, new_value.{i}              [tokens, kv_heads, head_dim], for the runtime
@@ -32,7 +32,7 @@ from llmc.errors import LlmcError
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.graph import Graph, attr
 from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
-from llmc.plugins.paged_attention_onnx import PLAN_INPUTS, lowering_nodes
+from llmc.plugins.paged_attention_onnx import lowering_nodes, plan_inputs
 
 
 class LowerPagedAttention(Pass):
@@ -89,11 +89,7 @@ class LowerPagedAttention(Pass):
             for part in ("key", "value"):
                 new_inputs.append(value(f"{part}_cache.{layer}", dtype,
                                         ["blocks", kv_heads, self.block_size, head_dim]))
-        new_inputs += [value(PLAN_INPUTS[0], TensorProto.INT64, ["seqs", "max_new"]),
-                       value(PLAN_INPUTS[1], TensorProto.INT64, ["seqs", "max_blocks"]),
-                       value(PLAN_INPUTS[2], dtype, ["seqs", 1, "max_new", "keys"]),
-                       value(PLAN_INPUTS[3], TensorProto.INT64, ["tokens"]),
-                       value("logits_rows", TensorProto.INT64, ["seqs"])]
+        new_inputs += plan_inputs(dtype) + [value("logits_rows", TensorProto.INT64, ["seqs"])]
         outputs = [value("logits", dtype, [1, "seqs", vocab])]
         outputs += [value(name, dtype, ["tokens", heads_, head_dim]) for name, heads_ in new_outputs]
 

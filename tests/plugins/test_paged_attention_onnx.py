@@ -46,11 +46,10 @@ def test_plan_for_a_mixed_step():
     batch = PagedBatch(block_tables=np.array([[7, 2, 0], [4, 0, 0]]), context_lens=np.array([5, 0]),
                        query_start_loc=np.array([0, 1, 4]))
     plan = plan_step(batch, block_size=4)
-    assert plan.gather_rows.tolist() == [[0, 0, 0], [1, 2, 3]]
-    assert plan.block_ids.tolist() == [[7, 2], [0, 0]]
-    assert plan.scatter_rows.tolist() == [0, 3, 4, 5]
-    visible = plan.mask[:, 0] == 0
-    # Sequence 0: 5 past slots then its one new token; sequence 1: no past, causal over 3.
-    assert visible[0, 0].tolist() == [True] * 5 + [False] * 3 + [True, False, False]
-    assert visible[1, 2].tolist() == [False] * 8 + [True, True, True]
-    assert visible[1, 0].tolist() == [False] * 8 + [True, False, False]
+    assert plan.block_ids.tolist() == [7, 2]  # only the blocks the step reads, unpadded
+    visible = plan.mask[0, 0] == 0
+    assert visible.shape == (4, 8 + 4)
+    # Sequence 0's token sees its 5 cached slots and itself; sequence 1 is causal over 3 tokens.
+    assert visible[0].tolist() == [True] * 5 + [False] * 3 + [True, False, False, False]
+    assert visible[1].tolist() == [False] * 8 + [False, True, False, False]
+    assert visible[3].tolist() == [False] * 8 + [False, True, True, True]
