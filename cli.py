@@ -89,7 +89,7 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @_pipeline_options
 @click.option("--paged/--no-paged", default=True, show_default=True,
               help="KV cache in blocks of one pool (llmc::paged_attention) or contiguous past/present.")
-@click.option("--block-size", default=None, type=int, help="Tokens per KV block (default 32, by measurement).")
+@click.option("--block-size", default=None, type=int, help="Tokens per KV block (default 16, by measurement).")
 @click.option("--max-batch", default=16, show_default=True, type=int, help="Sequences per step.")
 @click.option("--max-seq-len", default=None, type=int, help="Longest sequence (default: the model's positions).")
 @click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: max-batch full sequences).")

@@ -30,7 +30,7 @@ def compiled(request, tmp_path_factory):
     if request.param == "mistral":  # its sliding window is not expressible paged: contiguous, and why
         assert manifest["paged"] is None and "sliding-window" in manifest["not_paged"]
     else:
-        assert manifest["paged"]["block_size"] == 32
+        assert manifest["paged"]["block_size"] == 16
     return folder, out
 
 

@@ -27,11 +27,11 @@ def run_tokens(engine):
 
 def test_default_engine_is_paged_and_sized_from_the_options(tiny_llama_engine):
     paged = read_manifest(tiny_llama_engine)["paged"]
-    assert paged["block_size"] == 32 and paged["max_batch"] == 16 and paged["max_seq_len"] == 512
-    assert paged["num_blocks"] == 16 * 512 // 32
-    # 2 (K and V) × 4 layers × 2 kv heads × 32 tokens × 64 dims × 4 bytes per block
-    assert paged["pool_mb"] == pytest.approx(256 * 2 * 4 * 2 * 32 * 64 * 4 / 2**20)
-    assert "paged: 256 blocks of 32 tokens" in llmc("inspect", tiny_llama_engine).stdout
+    assert paged["block_size"] == 16 and paged["max_batch"] == 16 and paged["max_seq_len"] == 512
+    assert paged["num_blocks"] == 16 * 512 // 16
+    # 2 (K and V) × 4 layers × 2 kv heads × 16 tokens × 64 dims × 4 bytes per block
+    assert paged["pool_mb"] == pytest.approx(512 * 2 * 4 * 2 * 16 * 64 * 4 / 2**20)
+    assert "paged: 512 blocks of 16 tokens" in llmc("inspect", tiny_llama_engine).stdout
 
 
 @pytest.mark.parametrize("options", [["--block-size", "8", "--max-batch", "3"],

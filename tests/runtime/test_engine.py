@@ -38,7 +38,7 @@ def test_batched_output_equals_each_request_alone(tiny_llama_engine, alone):
 def test_output_after_preemption_equals_output_without(tiny_llama_onnx, tmp_path, alone):
     # 3 blocks of 32 tokens for 6 requests of up to ~60 tokens: the pool runs out mid-decode.
     compile_model(tiny_llama_onnx, tmp_path / "small.plan",
-                  paged=PagedOptions(kv_pool_mb=0.375, max_seq_len=64, max_batch=6))
+                  paged=PagedOptions(block_size=32, kv_pool_mb=0.375, max_seq_len=64, max_batch=6))
     engine = Engine.from_file(tmp_path / "small.plan")
     assert engine.blocks.num_blocks == 3
     assert run_all(engine, PROMPTS) == alone
@@ -77,7 +77,8 @@ def test_stop_strings_abort_and_per_request_errors(tiny_llama_engine):
 
 
 def test_request_larger_than_the_pool_is_refused(tiny_llama_onnx, tmp_path):
-    compile_model(tiny_llama_onnx, tmp_path / "tiny.plan", paged=PagedOptions(kv_pool_mb=0.25, max_seq_len=64))
+    compile_model(tiny_llama_onnx, tmp_path / "tiny.plan",
+                  paged=PagedOptions(block_size=32, kv_pool_mb=0.25, max_seq_len=64))
     engine = Engine.from_file(tmp_path / "tiny.plan")
     with pytest.raises(LlmcError, match="leave no room|KV pool too small"):
         engine.add_request("y" * 70, GREEDY)
