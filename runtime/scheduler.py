@@ -36,12 +36,18 @@ class SchedulerConfig:
         policy: "fifo" (arrival order) or "priority" (lower value first, then arrival).
         max_wait_ms: hold new requests up to this long while too few wait to fill the free
             seats, trading a little latency for fuller batches; 0 admits at once.
+        max_prefill_chunk: most prompt tokens one request may run in one step (default 128);
+            None allows the whole budget. Smaller chunks make the steps of a long prompt shorter, so requests arriving
+            meanwhile wait less for their first token, at some cost to the long one.
     """
 
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     policy: str = "fifo"
     max_wait_ms: float = 0.0
+    # Measured (bench/RESULTS.md): with a 3,000-token prompt in flight, short requests' p99
+    # time to first token roughly halves against no cap; the long prompt's own rises ~5%.
+    max_prefill_chunk: int | None = 128
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -52,6 +58,8 @@ class SchedulerConfig:
             raise LlmcError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.max_wait_ms >= 0:
             raise LlmcError(f"max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise LlmcError(f"max_prefill_chunk must be ≥ 1, got {self.max_prefill_chunk}")
 
 
 class Status(Enum):
@@ -148,7 +156,7 @@ class Scheduler:
                 if not self._make_room(request):
                     preempted = True
                     continue
-                count = min(self._remaining(request), budget)
+                count = min(self._remaining(request), budget, self._chunk_cap)
                 if count == 0:
                     continue
                 chunks.append(Chunk(request, request.num_computed, count))
@@ -174,10 +182,14 @@ class Scheduler:
             request.num_computed = self.blocks.allocate(request.request_id, request.token_ids)
             request.status = Status.RUNNING
             self.running.append(request)
-            count = min(self._remaining(request), budget)
+            count = min(self._remaining(request), budget, self._chunk_cap)
             chunks.append(Chunk(request, request.num_computed, count))
             budget -= count
         return chunks
+
+    @property
+    def _chunk_cap(self) -> int:
+        return self.config.max_prefill_chunk or self.config.max_num_batched_tokens
 
     def _make_room(self, request: Request) -> bool:
         """Give the request a slot for its newest token, preempting others if needed.

@@ -141,3 +141,14 @@ def test_new_requests_are_admitted_before_a_running_prefill_continues():
     second = scheduler.schedule(now=1.0)
     # The newcomer's whole prompt goes first; the long prompt continues with the rest.
     assert [(c.request.request_id, c.count) for c in second] == [("short", 3), ("long", 61)]
+
+
+def test_prefill_chunks_are_capped_per_request():
+    blocks = BlockManager(64, 16)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_prefill_chunk=100), blocks)
+    scheduler.add(Request("a", list(range(1, 301)), SamplingParams(), arrival=0.0))
+    scheduler.add(Request("b", list(range(1, 51)), SamplingParams(), arrival=1.0))
+    chunks = scheduler.schedule(now=1.0)
+    assert [(c.request.request_id, c.count) for c in chunks] == [("a", 100), ("b", 50)]
+    with pytest.raises(LlmcError, match="max_prefill_chunk must be ≥ 1"):
+        SchedulerConfig(max_prefill_chunk=0)
