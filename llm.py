@@ -54,7 +54,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_json(bytes(engine.sections["tokenizer.json"]).decode())
         self._decoder = OnnxRuntimeDecoder(engine, threads)
         paged = engine.manifest.get("paged")
-        self._paged = paged and PagedDecoder(self._decoder.session, self._decoder.geometry,
+        self.paged_decoder = paged and PagedDecoder(self._decoder.session, self._decoder.geometry,
                                              paged["block_size"], paged["num_blocks"], paged["max_seq_len"])
         self.max_seq_len = paged["max_seq_len"] if paged else self._decoder.geometry.max_positions
 
@@ -108,7 +108,7 @@ class LLM:
 
     def _generate(self, ids: list[list[int]], params: list[SamplingParams]) -> Iterator[TokenEvent]:
         """Token events from the continuous-batching engine (paged engines) or the dense loop."""
-        if not self._paged:
+        if not self.paged_decoder:
             yield from generate_tokens(self._decoder, ids, params, self.tokenizer.eos_id)
             return
         from llmc.runtime.engine import Engine

@@ -14,7 +14,7 @@ from __future__ import annotations
 import onnx
 
 from llmc.passes.base import Pass, PassResult
-from llmc.passes.graph import Graph, Rewrite
+from llmc.passes.graph import DEFAULT_DOMAINS, Graph, Rewrite
 
 
 class EliminateDeadCode(Pass):
@@ -28,7 +28,7 @@ class EliminateDeadCode(Pass):
         identities = []
         for node in model.graph.node:
             _redirect_inputs(node, alias)
-            if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            if node.op_type != "Identity" or node.domain not in DEFAULT_DOMAINS:
                 continue
             source, target = node.input[0], node.output[0]
             if target in pinned:

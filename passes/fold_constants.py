@@ -26,13 +26,12 @@ from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from llmc.passes.base import Pass, PassResult
-from llmc.passes.graph import NONDETERMINISTIC_OPS, Graph, Rewrite
+from llmc.passes.graph import DEFAULT_DOMAINS, Graph, NONDETERMINISTIC_OPS, Rewrite
 
 # A folded result is refused when it is larger than this and than all its constant inputs
 # together: folding would trade a cheap runtime op for a big stored tensor.
 MAX_GROWN_ELEMENTS = 1_000_000
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 Types = dict[str, onnx.TypeProto.Tensor]
 
@@ -42,7 +41,7 @@ class FoldConstants(Pass):
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         graph = Graph(model)
-        opsets = {("" if o.domain in _DEFAULT_DOMAINS else o.domain): o.version
+        opsets = {("" if o.domain in DEFAULT_DOMAINS else o.domain): o.version
                   for o in model.opset_import}
         types = _tensor_types(model)
         values: dict[str, np.ndarray] = {}
@@ -72,7 +71,7 @@ class FoldConstants(Pass):
         """The node's inputs if all are known (stand-ins for shape-only inputs); else None."""
         if _is_output_identity(graph, node, values):
             return None  # already the canonical form of a constant graph output
-        shape_only = node.op_type in ("Shape", "Size") and node.domain in _DEFAULT_DOMAINS
+        shape_only = node.op_type in ("Shape", "Size") and node.domain in DEFAULT_DOMAINS
         feeds = {}
         for name in filter(None, node.input):
             if name in values:
@@ -107,7 +106,7 @@ class FoldConstants(Pass):
 
 def _refusal(types: Types, node: onnx.NodeProto, feeds: dict[str, np.ndarray]) -> str | None:
     """Why `node` must not be folded before evaluating it, or None."""
-    if node.domain not in _DEFAULT_DOMAINS:
+    if node.domain not in DEFAULT_DOMAINS:
         return "other domain"
     if node.op_type in NONDETERMINISTIC_OPS:
         return "nondeterministic"

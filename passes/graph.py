@@ -21,6 +21,10 @@ NONDETERMINISTIC_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormal
                                   "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"})
 
 
+# The ONNX default domain is spelled either way in the wild.
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
 @dataclass
 class Rewrite:
     """One match: nodes to remove, nodes to insert in their place, new initializers.
@@ -65,7 +69,7 @@ class Graph:
         if name in self.initializers:
             return numpy_helper.to_array(self.initializers[name])
         node = self.producer.get(name)
-        if node is not None and node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+        if node is not None and node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
             attr = node.attribute[0]
             if attr.name == "value":
                 return numpy_helper.to_array(attr.t)
@@ -85,7 +89,7 @@ class Graph:
     def producer_of(self, name: str, *op_types: str) -> onnx.NodeProto | None:
         """The node producing `name` if its op type is one of `op_types` (default domain)."""
         node = self.producer.get(name)
-        if node is None or node.op_type not in op_types or node.domain not in ("", "ai.onnx"):
+        if node is None or node.op_type not in op_types or node.domain not in DEFAULT_DOMAINS:
             return None
         return node
 

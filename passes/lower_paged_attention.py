@@ -30,7 +30,7 @@ from onnx import TensorProto, helper
 
 from llmc.errors import LlmcError
 from llmc.passes.base import Pass, PassResult
-from llmc.passes.graph import Graph, attr
+from llmc.passes.graph import DEFAULT_DOMAINS, Graph, attr
 from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 from llmc.plugins.paged_attention_onnx import lowering_nodes, plan_inputs
 
@@ -51,7 +51,7 @@ class LowerPagedAttention(Pass):
             raise LlmcError("paged lowering: the graph has no position_ids input")
         attentions = {}
         for node in model.graph.node:
-            if node.op_type == "Attention" and node.domain in ("", "ai.onnx") and len(node.input) >= 6:
+            if node.op_type == "Attention" and node.domain in DEFAULT_DOMAINS and len(node.input) >= 6:
                 layer = _layer_of(node.input[4])
                 if layer is not None:
                     attentions[layer] = node

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from llmc.passes.base import RewritePass
-from llmc.passes.graph import Graph, Rewrite
+from llmc.passes.graph import DEFAULT_DOMAINS, Graph, Rewrite
 
 
 class MergeSiblingMatMuls(RewritePass):
@@ -28,7 +28,7 @@ class MergeSiblingMatMuls(RewritePass):
     def rewrite(self, graph: Graph, anchor: onnx.NodeProto) -> Rewrite | None:
         source = anchor.input[0]
         siblings = [n for n in graph.consumers[source]
-                    if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and n.input[0] == source
+                    if n.op_type == "MatMul" and n.domain in DEFAULT_DOMAINS and n.input[0] == source
                     and _weight(graph, n) is not None]
         if len(siblings) < 2 or siblings[0] is not anchor:
             return None
@@ -65,7 +65,7 @@ def _weight(graph: Graph, node: onnx.NodeProto) -> np.ndarray | None:
 def _bias(graph: Graph, matmul: onnx.NodeProto, width: int):
     """(the Add node, its bias vector) if the MatMul's only consumer adds a constant [width]."""
     add = graph.only_consumer(matmul.output[0])
-    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx"):
+    if add is None or add.op_type != "Add" or add.domain not in DEFAULT_DOMAINS:
         return None
     other = add.input[1] if add.input[0] == matmul.output[0] else add.input[0]
     bias = graph.constant(other)

@@ -12,6 +12,7 @@ import onnx.version_converter
 
 from llmc.compiler.onnx_io import transform_without_weights
 from llmc.errors import LlmcError
+from llmc.passes.graph import DEFAULT_DOMAINS
 
 
 def require_opset(model: onnx.ModelProto, version: int, domain: str = "") -> onnx.ModelProto:
@@ -43,4 +44,4 @@ def require_opset(model: onnx.ModelProto, version: int, domain: str = "") -> onn
 
 def default_opset(model: onnx.ModelProto) -> int:
     """The model's default-domain opset version (0 when it imports none)."""
-    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    return max((o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS), default=0)

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from llmc.passes.graph import Graph
+from llmc.passes.graph import DEFAULT_DOMAINS, Graph
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
 
 # --- operands --------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ class Engine:
         if not paged:
             raise LlmcError(f"{llm.path}: not a paged engine (compiled with --no-paged or not "
                             "expressible paged); Engine needs one")
-        self.llm, self.decoder = llm, llm._paged
+        self.llm, self.decoder = llm, llm.paged_decoder
         self.config = config or SchedulerConfig(max_num_seqs=paged["max_batch"])
         self.blocks = BlockManager(paged["num_blocks"], paged["block_size"])
         self.scheduler = Scheduler(self.config, self.blocks)

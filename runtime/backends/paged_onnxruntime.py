@@ -30,6 +30,7 @@ class PagedDecoder:
                  max_seq_len: int | None = None):
         self.session, self.geometry, self.block_size = session, geometry, block_size
         self.max_seq_len = max_seq_len or geometry.max_positions
+        self._output_names = [o.name for o in session.get_outputs()]
         shape = (num_blocks, geometry.num_kv_heads, block_size, geometry.head_dim)
         self.pools = {f"{part}_cache.{i}": np.zeros(shape, np.float32)
                       for i in range(geometry.num_layers) for part in ("key", "value")}
@@ -40,8 +41,7 @@ class PagedDecoder:
         logits_rows = batch.query_start_loc[1:] - 1
         outputs = self.session.run(None, {"input_ids": tokens[None], "position_ids": positions[None],
                                           **self.pools, **plan.feeds(), "logits_rows": logits_rows})
-        names = [o.name for o in self.session.get_outputs()]
-        new = dict(zip(names, outputs))
+        new = dict(zip(self._output_names, outputs))
         blocks, offsets = self._slots(batch)
         for i in range(self.geometry.num_layers):
             self.pools[f"key_cache.{i}"][blocks, :, offsets] = new[f"new_key.{i}"]
