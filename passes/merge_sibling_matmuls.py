@@ -27,7 +27,9 @@ class MergeSiblingMatMuls(RewritePass):
 
     def rewrite(self, graph: Graph, anchor: onnx.NodeProto) -> Rewrite | None:
         source = anchor.input[0]
-        siblings = [n for n in graph.consumers[source]
+        # A node reading `source` twice (MatMul(x, x)) is listed twice among its consumers.
+        consumers = {id(n): n for n in graph.consumers[source]}.values()
+        siblings = [n for n in consumers
                     if n.op_type == "MatMul" and n.domain in DEFAULT_DOMAINS and n.input[0] == source
                     and _weight(graph, n) is not None]
         if len(siblings) < 2 or siblings[0] is not anchor:

@@ -63,3 +63,14 @@ def test_single_matmul_is_left_alone():
 def test_result_is_a_valid_graph():
     result = run_pass(MergeSiblingMatMuls(), graph_with_siblings([8, 4, 4], [True] * 3))
     onnx.checker.check_model(result.model, full_check=True)
+
+
+def test_matmul_of_a_constant_with_itself_is_one_node_not_two_siblings():
+    # Found by the property test: MatMul(c, c) is listed twice among c's consumers.
+    square = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(
+        RNG.standard_normal((4, 4)).astype(np.float32)))
+    graph = helper.make_graph([square, helper.make_node("MatMul", ["c", "c"], ["y"])], "square", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    result = run_pass(MergeSiblingMatMuls(), model)
+    assert result.matches == 0 and op_counts(result.model) == {"Constant": 1, "MatMul": 1}
