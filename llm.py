@@ -52,10 +52,9 @@ class LLM:
                             "here; this build of llmc runs onnxruntime engines")
         self.manifest = engine.manifest
         self.tokenizer = Tokenizer.from_json(bytes(engine.sections["tokenizer.json"]).decode())
-        self._decoder = OnnxRuntimeDecoder(engine, threads)
         paged = engine.manifest.get("paged")
-        self.paged_decoder = paged and PagedDecoder(self._decoder.session, self._decoder.geometry,
-                                             paged["block_size"], paged["num_blocks"], paged["max_seq_len"])
+        self._decoder = None if paged else OnnxRuntimeDecoder(engine, threads)
+        self.paged_decoder = paged and PagedDecoder.from_engine(engine, threads)
         self.max_seq_len = paged["max_seq_len"] if paged else self._decoder.geometry.max_positions
 
     def generate(self, prompts: str | Sequence[str],

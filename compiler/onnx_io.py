@@ -116,6 +116,16 @@ def serialize(model: onnx.ModelProto) -> dict[str, bytes]:
         return {file.name: file.read_bytes() for file in sorted(Path(folder).iterdir())}
 
 
+def load_model_files(files: dict, folder: str | os.PathLike) -> onnx.ModelProto:
+    """The model from `serialize`'s files (e.g. an engine's sections), with its weights loaded;
+    past 2 GB the files are written into `folder` first."""
+    if "model.onnx.data" not in files:
+        return onnx.load_from_string(bytes(files["model.onnx"]))
+    for name, data in files.items():
+        (Path(folder) / name).write_bytes(data)
+    return load_onnx(Path(folder) / "model.onnx")
+
+
 @contextlib.contextmanager
 def weights_set_aside(model: onnx.ModelProto):
     """For a model past 2 GB, temporarily empty its big tensors so it can be serialized."""

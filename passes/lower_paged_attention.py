@@ -6,8 +6,8 @@ paged interface the serving runtime drives:
 
     inputs   input_ids, position_ids [1, tokens]     new tokens of all sequences, packed
              key_cache.{i}, value_cache.{i}          [blocks, kv_heads, block_size, head_dim]
-             paged_block_ids, paged_mask             the step's layout (plugins/
-                                                     paged_attention_onnx.plan_step)
+             block_tables, context_lens,             the step's layout, as the op defines them
+             query_start_loc                         (plugins/paged_attention.py)
              logits_rows [seqs]                      packed row whose logits each sequence needs
     outputs  logits [1, seqs, vocab]                 only the rows asked for (last token of each)
              new_key.{i}, new_value.{i}              [tokens, kv_heads, head_dim], for the runtime
@@ -15,8 +15,10 @@ paged interface the serving runtime drives:
 
 Packed tokens run as one sequence of batch 1 through every per-token op (embeddings, norms,
 projections, rotary with explicit positions); only attention needs to know where sequences
-start, and the paged op knows. Each Attention becomes the CPU lowering of the paged op; the
-attention mask and its subgraph die with the old interface.
+start, and the paged op knows. Each Attention becomes one ``PagedAttention`` node (domain
+``llmc``), which each backend implements: the CPU backend runs it between graph segments
+(runtime/backends/paged_onnxruntime.py), TensorRT as a plugin. The attention mask and its
+subgraph die with the old interface.
 
 Preconditions: run last, after attention-3d-layout. A layer whose attention was not
 canonicalized is an error naming it: silently leaving a dense attention behind would attend
@@ -31,8 +33,8 @@ from onnx import TensorProto, helper
 from llmc.errors import LlmcError
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.graph import DEFAULT_DOMAINS, Graph, attr
-from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
-from llmc.plugins.paged_attention_onnx import lowering_nodes, plan_inputs
+from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, DOMAIN
+from llmc.plugins.paged_attention_onnx import METADATA_INPUTS, paged_attention_node
 
 
 class LowerPagedAttention(Pass):
@@ -66,13 +68,14 @@ class LowerPagedAttention(Pass):
         past = inputs["past_key_values.0.key"].type.tensor_type.shape.dim
         kv_heads, head_dim = past[1].dim_value, past[3].dim_value
         dtype = inputs["past_key_values.0.key"].type.tensor_type.elem_type
-        nodes, constants, new_outputs = [], [], []
+        nodes, constants, new_outputs, attended = [], [], [], []
         for layer in range(layers):
             attention = attentions[layer]
             heads = attr(attention, "q_num_heads")
-            nodes_, constants_ = self._lower(graph, attention, layer, heads, kv_heads, head_dim)
+            nodes_, constants_, attended_ = self._lower(attention, layer, heads, kv_heads, head_dim, dtype)
             nodes += nodes_
             constants += constants_
+            attended.append(attended_)
             new_outputs += [(f"new_key.{layer}", kv_heads), (f"new_value.{layer}", kv_heads)]
 
         kept = [n for n in model.graph.node if n.op_type != "Attention" or id(n) not in
@@ -89,7 +92,7 @@ class LowerPagedAttention(Pass):
             for part in ("key", "value"):
                 new_inputs.append(value(f"{part}_cache.{layer}", dtype,
                                         ["blocks", kv_heads, self.block_size, head_dim]))
-        new_inputs += plan_inputs(dtype) + [value("logits_rows", TensorProto.INT64, ["seqs"])]
+        new_inputs += METADATA_INPUTS + [value("logits_rows", TensorProto.INT64, ["seqs"])]
         outputs = [value("logits", dtype, [1, "seqs", vocab])]
         outputs += [value(name, dtype, ["tokens", heads_, head_dim]) for name, heads_ in new_outputs]
 
@@ -100,6 +103,9 @@ class LowerPagedAttention(Pass):
         del model.graph.node[:]
         model.graph.node.extend(kept + nodes)
         model.graph.initializer.extend(constants)
+        model.graph.value_info.extend(attended)
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
         graph = Graph(model)
         graph._replace_nodes(list(model.graph.node))  # toposort: new nodes were appended
         graph.remove_dead()
@@ -110,23 +116,24 @@ class LowerPagedAttention(Pass):
                                 f"{sorted(stale & set(node.input))[0]}, which the paged interface drops")
         return PassResult(model, layers, [f"block size {self.block_size}, {layers} layers"])
 
-    def _lower(self, graph: Graph, attention: onnx.NodeProto, layer: int, heads: int, kv_heads: int,
-               head_dim: int):
+    def _lower(self, attention: onnx.NodeProto, layer: int, heads: int, kv_heads: int, head_dim: int,
+               dtype: int):
         prefix = f"paged.{layer}"
         rows = lambda name, count: helper.make_tensor(name, TensorProto.INT64, [3], [-1, count, head_dim])  # noqa: E731
         flat = helper.make_tensor(f"{prefix}/flat", TensorProto.INT64, [3], [1, -1, heads * head_dim])
         constants = [rows(f"{prefix}/q_rows", heads), rows(f"{prefix}/kv_rows", kv_heads), flat]
         query, key, value = attention.input[:3]
+        scale = attr(attention, "scale")
         nodes = [helper.make_node("Reshape", [query, f"{prefix}/q_rows"], [f"{prefix}/q"]),
                  helper.make_node("Reshape", [key, f"{prefix}/kv_rows"], [f"new_key.{layer}"]),
-                 helper.make_node("Reshape", [value, f"{prefix}/kv_rows"], [f"new_value.{layer}"])]
-        lowered, lowered_constants = lowering_nodes(
-            prefix, f"{prefix}/q", f"new_key.{layer}", f"new_value.{layer}", f"key_cache.{layer}",
-            f"value_cache.{layer}", f"{prefix}/out", num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=head_dim, block_size=self.block_size, scale=attr(attention, "scale"))
-        nodes += lowered
-        nodes.append(helper.make_node("Reshape", [f"{prefix}/out", f"{prefix}/flat"], [attention.output[0]]))
-        return nodes, constants + lowered_constants
+                 helper.make_node("Reshape", [value, f"{prefix}/kv_rows"], [f"new_value.{layer}"]),
+                 paged_attention_node(f"{prefix}/q", f"new_key.{layer}", f"new_value.{layer}",
+                                      f"key_cache.{layer}", f"value_cache.{layer}", f"{prefix}/out",
+                                      name=f"{prefix}/PagedAttention",
+                                      scale=head_dim ** -0.5 if scale is None else scale),
+                 helper.make_node("Reshape", [f"{prefix}/out", f"{prefix}/flat"], [attention.output[0]])]
+        attended = helper.make_tensor_value_info(f"{prefix}/out", dtype, ["tokens", heads, head_dim])
+        return nodes, constants, attended
 
 
 def _layer_of(past_name: str) -> int | None:

@@ -1,19 +1,21 @@
-"""The CPU implementation of ``llmc::paged_attention``: a lowering to standard ONNX ops.
+"""``llmc::paged_attention`` in ONNX: the node the paged lowering writes, and a dense form.
 
-onnxruntime has no CPU kernel for paged attention, and a Python custom op copies every output
-through Python lists (DESIGN.md), so the op is lowered to ops onnxruntime runs natively, with
-every sequence of the step packed into one ragged attention:
+The node: ``PagedAttention`` in domain ``llmc`` with the op's inputs in the contract's order
+(plugins/paged_attention.py); `register()` gives onnx its schema so the checker and shape
+inference accept graphs holding it.
+
+The dense form: the op written with standard ops, every sequence of a step packed into one
+ragged attention:
 
     past     Gather(pool, the used blocks of all sequences, concatenated)
              → [1, kv_heads, those blocks · block_size, head_dim]
     attend   Attention-23(q [1, heads, tokens, D], Concat(past, k), Concat(past, v), mask)
     mask     token t of sequence s sees s's cached slots and s's new tokens up to itself
 
-Nothing is padded to the longest sequence: a step gathers exactly the blocks its sequences use,
-and a long context in the batch costs only its own reads (padding every sequence to the longest
-context made mixed-length steps several times slower). The block list and the mask depend only
-on the batch layout, so the runtime computes them once per step (`plan_step`) and every layer's
-lowering reads them. The pool is read in place through the Gather, never copied whole.
+The block list and the mask depend only on the batch layout (`plan_step`). It copies the blocks
+it reads and scores every token against every packed key, so it pays off only where its
+matrix products do: the CPU kernel (plugins/paged_attention_cpu.py) sends it the sequences with
+many new tokens (prefill chunks) and keeps decode tokens for itself.
 """
 
 from __future__ import annotations
@@ -24,9 +26,56 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from llmc.plugins.paged_attention import PagedBatch
+from onnx import defs
+from onnx.defs import OpSchema
 
-# Runtime-computed inputs shared by every layer's lowering.
+from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch
+
+# The step's layout, shared by every layer's node (graph inputs of a paged engine).
+METADATA_INPUTS = [helper.make_tensor_value_info("block_tables", TensorProto.INT64, ["seqs", "max_blocks"]),
+                   helper.make_tensor_value_info("context_lens", TensorProto.INT64, ["seqs"]),
+                   helper.make_tensor_value_info("query_start_loc", TensorProto.INT64, ["seqs_plus_1"])]
+
+
+def paged_attention_node(query: str, key: str, value: str, key_cache: str, value_cache: str, output: str,
+                         *, name: str, scale: float) -> onnx.NodeProto:
+    """One ``llmc::PagedAttention`` reading the step's layout from `METADATA_INPUTS`.
+
+    The scale is always written: TensorRT plugin attributes have no defaults.
+    """
+    register()
+    layout = [i.name for i in METADATA_INPUTS]
+    return helper.make_node(OP_TYPE, [query, key, value, key_cache, value_cache, *layout], [output],
+                            name=name, domain=DOMAIN, scale=float(scale))
+
+
+def register() -> None:
+    """Give onnx the node's schema (once per process): output typed and shaped like the query."""
+    try:
+        defs.get_schema(OP_TYPE, 1, DOMAIN)
+        return
+    except defs.SchemaError:
+        pass
+    names = ("query", "key", "value", "key_cache", "value_cache")
+    schema = OpSchema(
+        OP_TYPE, DOMAIN, 1, "Attention of packed new tokens over a paged KV pool (plugins/paged_attention.py).",
+        inputs=[OpSchema.FormalParameter(n, "T") for n in names]
+        + [OpSchema.FormalParameter(i.name, "I") for i in METADATA_INPUTS],
+        outputs=[OpSchema.FormalParameter("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
+                          ("I", ["tensor(int32)", "tensor(int64)"], "")],
+        attributes=[OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "", required=True)])
+    schema.set_type_and_shape_inference_function(_like_query)
+    defs.register_schema(schema)
+
+
+def _like_query(ctx) -> None:
+    out = onnx.TypeProto()
+    out.CopyFrom(ctx.get_input_type(0))
+    ctx.set_output_type(0, out)
+
+
+# Runtime-computed inputs of the dense form.
 PLAN_INPUTS = ("paged_block_ids", "paged_mask")
 
 
@@ -109,11 +158,12 @@ def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str
 
 
 def standalone_model(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                     dtype: int = TensorProto.FLOAT) -> onnx.ModelProto:
-    """One PagedAttention as a whole ONNX model (tests and benchmarks)."""
+                     scale: float | None = None, dtype: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    """The dense form of one PagedAttention as a whole ONNX model (inputs: the op's tensors and
+    `PLAN_INPUTS`)."""
     nodes, constants = lowering_nodes("paged", "query", "key", "value", "key_cache", "value_cache",
                                       "output", num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                      head_dim=head_dim, block_size=block_size)
+                                      head_dim=head_dim, block_size=block_size, scale=scale)
     tensor = lambda name, shape: helper.make_tensor_value_info(name, dtype, shape)  # noqa: E731
     inputs = [tensor("query", ["tokens", num_heads, head_dim]),
               tensor("key", ["tokens", num_kv_heads, head_dim]),

@@ -1,52 +1,163 @@
-"""One step of a paged engine: packed tokens in, last-token logits out, new K/V into the pool.
+"""One step of a paged engine on the CPU: packed tokens in, last-token logits out, new K/V into
+the pool.
 
-The runtime's engine (runtime/engine.py) decides what runs; this runs it: the lowered graph
-reads the pools through the block tables, and its new keys and values are stored at the slots
-the sequences own — one vectorized scatter per layer per step, never a copy of the pool.
+onnxruntime cannot run the engine's ``llmc::PagedAttention`` nodes, so the graph is cut at them
+into segments, each an onnxruntime session; the runtime runs segment, attention (plugins/
+paged_attention_cpu.py, reading the pool in place), segment, … and carries the values that cross
+a cut. A value is placed in the first segment all its inputs are available to, so every layer's
+projections, norms and MLP run in onnxruntime and only attention runs outside it. The step's new
+keys and values are stored at the slots the sequences own afterwards — one vectorized scatter per
+layer per step, never a copy of the pool.
 """
 
 from __future__ import annotations
 
+import tempfile
+from dataclasses import dataclass
+
 import numpy as np
+import onnx
 import onnxruntime as ort
+from onnx import helper
 
 from llmc.compiler.decoder_interface import Geometry
-from llmc.plugins.paged_attention import PagedBatch
-from llmc.plugins.paged_attention_onnx import plan_step
+from llmc.compiler.engine_file import EngineFile
+from llmc.compiler.onnx_io import infer_shapes, load_model_files, serialize
+from llmc.errors import LlmcError
+from llmc.passes.graph import attr
+from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch
+from llmc.plugins.paged_attention_cpu import CpuPagedAttention
+from llmc.plugins.paged_attention_onnx import register
+from llmc.runtime.backends.onnxruntime import open_session
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The graph between two attentions, and the attention that follows it (None for the last)."""
+
+    model: onnx.ModelProto | None  # None when no node falls between two attentions
+    inputs: list[str]
+    outputs: list[str]
+    attention: onnx.NodeProto | None
+
+
+def split_at_paged_attention(model: onnx.ModelProto) -> list[Segment]:
+    """Cut a paged graph into segments around its PagedAttention nodes (see the module docstring).
+
+    Raises LlmcError when the graph has none, or two that do not depend on each other (they
+    would fall in one segment and need the same cut).
+    """
+    register()
+    graph = infer_shapes(model).graph
+    types = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]}
+    weights = {t.name: t for t in graph.initializer}
+    stage = dict.fromkeys([*weights, *(i.name for i in graph.input)], 0)
+    attentions: dict[int, onnx.NodeProto] = {}
+    members: dict[int, list[onnx.NodeProto]] = {}
+    for node in graph.node:  # topologically sorted, as onnx requires
+        at = max((stage[name] for name in node.input if name), default=0)
+        if node.op_type == OP_TYPE and node.domain == DOMAIN:
+            if at in attentions:
+                raise LlmcError(f"paged engine: attention nodes '{attentions[at].name}' and '{node.name}' "
+                                "do not depend on each other; the CPU backend cannot cut between them")
+            attentions[at] = node
+            stage.update(dict.fromkeys(node.output, at + 1))
+        else:
+            members.setdefault(at, []).append(node)
+            stage.update(dict.fromkeys(node.output, at))
+    if not attentions:
+        raise LlmcError("paged engine: no PagedAttention node; it was built by an older llmc — recompile it")
+
+    count = len(attentions) + 1
+    # What segment k's nodes read, and what the attention after segment k reads.
+    consumed = [{n for node in members.get(k, []) for n in node.input if n} for k in range(count)]
+    attended = [set(attentions[k].input) if k in attentions else set() for k in range(count)]
+    graph_outputs = {o.name for o in graph.output}
+    segments = []
+    for k in range(count):
+        nodes = members.get(k, [])
+        produced = {n for node in nodes for n in node.output}
+        later = set().union(*consumed[k + 1:], *attended[k:]) | graph_outputs
+        inputs = sorted(n for n in set().union(*(node.input for node in nodes)) - produced - {""}
+                        if n not in weights)
+        outputs = sorted(produced & later)
+        sub = None
+        if nodes:
+            missing = [n for n in inputs + outputs if n not in types]
+            if missing:
+                raise LlmcError(f"paged engine: no type known for '{missing[0]}', which crosses a cut")
+            used = {n for node in nodes for n in node.input}
+            sub = helper.make_model(
+                helper.make_graph(nodes, f"segment{k}", [helper.make_value_info(n, types[n]) for n in inputs],
+                                  [helper.make_value_info(n, types[n]) for n in outputs],
+                                  [weights[n] for n in sorted(used & set(weights))]),
+                opset_imports=[o for o in model.opset_import if o.domain != DOMAIN], ir_version=model.ir_version)
+        segments.append(Segment(sub, inputs, outputs, attentions.get(k)))
+    return segments
 
 
 class PagedDecoder:
-    """A session over a lowered (paged) graph and the pools it reads.
+    """The segments' sessions, the attention kernel and the pools they read.
 
     Args:
-        session: onnxruntime session over the output of the lower-paged-attention pass.
+        model: the engine's graph (the output of the lower-paged-attention pass).
         geometry: the model's geometry.
         block_size: tokens per block (the value the graph was lowered with).
         num_blocks: blocks in the pool, shared by all sequences.
         max_seq_len: longest sequence the engine was sized for; default the model's positions.
+        threads: CPU threads; None uses every core.
     """
 
-    def __init__(self, session: ort.InferenceSession, geometry: Geometry, block_size: int, num_blocks: int,
-                 max_seq_len: int | None = None):
-        self.session, self.geometry, self.block_size = session, geometry, block_size
+    def __init__(self, model: onnx.ModelProto, geometry: Geometry, block_size: int, num_blocks: int,
+                 max_seq_len: int | None = None, threads: int | None = None):
+        self.geometry, self.block_size = geometry, block_size
         self.max_seq_len = max_seq_len or geometry.max_positions
-        self._output_names = [o.name for o in session.get_outputs()]
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        # Between segments the attention kernel's threads work; onnxruntime's must not spin then.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._unpacked = tempfile.TemporaryDirectory(prefix="llmc-engine-")
+        self.segments = split_at_paged_attention(model)
+        self._sessions = [seg.model and open_session(serialize(seg.model), self._unpacked.name, options)
+                          for seg in self.segments]
+        self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
+                                           block_size, threads)
         shape = (num_blocks, geometry.num_kv_heads, block_size, geometry.head_dim)
         self.pools = {f"{part}_cache.{i}": np.zeros(shape, np.float32)
                       for i in range(geometry.num_layers) for part in ("key", "value")}
 
+    @classmethod
+    def from_engine(cls, engine: EngineFile, threads: int | None = None) -> "PagedDecoder":
+        """The decoder of a paged engine file, with the pool its manifest sized."""
+        manifest, paged = engine.manifest, engine.manifest["paged"]
+        with tempfile.TemporaryDirectory(prefix="llmc-engine-") as folder:
+            model = load_model_files({name: engine.sections[name] for name in ("model.onnx", "model.onnx.data")
+                                      if name in engine.sections}, folder)
+        return cls(model, Geometry(**manifest["geometry"]), paged["block_size"], paged["num_blocks"],
+                   paged["max_seq_len"], threads)
+
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch) -> np.ndarray:
         """Run one packed step; stores its keys and values; returns each sequence's last logits."""
-        plan = plan_step(batch, self.block_size)
-        logits_rows = batch.query_start_loc[1:] - 1
-        outputs = self.session.run(None, {"input_ids": tokens[None], "position_ids": positions[None],
-                                          **self.pools, **plan.feeds(), "logits_rows": logits_rows})
-        new = dict(zip(self._output_names, outputs))
+        layout = self.attention.layout(batch)
+        values = {"input_ids": tokens[None], "position_ids": positions[None],
+                  "logits_rows": batch.query_start_loc[1:] - 1, **self.pools}
+        stores = []
+        for segment, session in zip(self.segments, self._sessions):
+            if session is not None:
+                outputs = session.run(segment.outputs, {name: values[name] for name in segment.inputs})
+                values.update(zip(segment.outputs, outputs))
+            node = segment.attention
+            if node is not None:
+                query, key, value, key_cache, value_cache = (values[name] for name in node.input[:5])
+                values[node.output[0]] = self.attention(query, key, value, key_cache, value_cache, layout,
+                                                        attr(node, "scale"))
+                stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = self._slots(batch)
-        for i in range(self.geometry.num_layers):
-            self.pools[f"key_cache.{i}"][blocks, :, offsets] = new[f"new_key.{i}"]
-            self.pools[f"value_cache.{i}"][blocks, :, offsets] = new[f"new_value.{i}"]
-        return new["logits"][0]
+        for pool, new in stores:
+            pool[blocks, :, offsets] = new
+        return values["logits"][0]
 
     def _slots(self, batch: PagedBatch) -> tuple[np.ndarray, np.ndarray]:
         """Pool block and offset of every packed token's slot (past length + its index)."""

@@ -3,7 +3,6 @@ graph's, and lowering refuses what it cannot express."""
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 
 from llmc.compiler.compare import run_onnx
@@ -12,15 +11,14 @@ from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError
 from llmc.passes.lower_paged_attention import LowerPagedAttention
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
+from llmc.runtime.backends.paged_onnxruntime import PagedDecoder, split_at_paged_attention
 
 def paged_decoder(onnx_path, block_size, num_blocks=64):
     model, _ = optimize(onnx.load(onnx_path), level=2)
     LowerPagedAttention(block_size).run(model)
     onnx.checker.check_model(model)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     geometry = recognize_decoder(onnx.load(onnx_path, load_external_data=False), onnx_path).geometry
-    return PagedDecoder(session, geometry, block_size, num_blocks)
+    return PagedDecoder(model, geometry, block_size, num_blocks)
 
 
 def test_packed_prefill_logits_equal_the_original_graph(tiny_llama_onnx):
@@ -53,3 +51,19 @@ def test_uncanonicalized_attention_is_refused(tiny_llama_onnx):
 def test_unsupported_block_size_is_refused():
     with pytest.raises(LlmcError, match="--block-size: 48 is not supported"):
         LowerPagedAttention(48)
+
+
+def test_graph_is_cut_at_every_attention(tiny_llama_onnx):
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    LowerPagedAttention(16).run(model)
+    segments = split_at_paged_attention(model)
+    assert len(segments) == 5  # 4 layers: segment, attention, …, segment
+    assert [int(s.attention.input[3].split(".")[1]) for s in segments[:-1]] == [0, 1, 2, 3]
+    assert segments[-1].attention is None and segments[-1].outputs == ["logits"]
+    # Only attention runs outside onnxruntime: each middle segment holds a layer's MLP and projections.
+    assert all(sum(n.op_type == "MatMul" for n in s.model.graph.node) >= 3 for s in segments[1:-1])
+
+
+def test_engine_graph_without_paged_attention_is_refused(tiny_llama_onnx):
+    with pytest.raises(LlmcError, match="no PagedAttention node"):
+        split_at_paged_attention(onnx.load(tiny_llama_onnx))
