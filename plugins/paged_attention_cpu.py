@@ -137,18 +137,25 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
         q = np.empty((rows, head_dim), np.float32)
         for t in range(first, end):
             for g in range(group):
-                q[(t - first) * group + g] = query[t, kv_head * group + g] * scale
+                for d in range(head_dim):
+                    q[(t - first) * group + g, d] = query[t, kv_head * group + g, d] * scale
         scores = np.empty((rows, keys), np.float32)
-        for j in range(keys):
-            if j < past:
-                k = key_cache[block_tables[s, j // block_size], kv_head, j % block_size]
-            else:
-                k = key[start + j - past, kv_head]
+        # Past keys block by block, straight from the pool; then the step's own new keys.
+        for j0 in range(0, past, block_size):
+            blk = block_tables[s, j0 // block_size]
+            kb = key_cache[blk, kv_head]
+            for o in range(min(block_size, past - j0)):
+                for r in range(rows):
+                    acc = np.float32(0.0)
+                    for d in range(head_dim):
+                        acc += q[r, d] * kb[o, d]
+                    scores[r, j0 + o] = acc
+        for i in range(end - start):
             for r in range(rows):
                 acc = np.float32(0.0)
                 for d in range(head_dim):
-                    acc += q[r, d] * k[d]
-                scores[r, j] = acc
+                    acc += q[r, d] * key[start + i, kv_head, d]
+                scores[r, past + i] = acc
         # Softmax over each row's visible keys: its sequence's past and its new tokens up to itself.
         for r in range(rows):
             visible = past + first + r // group - start + 1
@@ -157,22 +164,37 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                 top = max(top, scores[r, j])
             total = np.float32(0.0)
             for j in range(visible):
-                scores[r, j] = np.exp(scores[r, j] - top)
-                total += scores[r, j]
+                e = np.exp(scores[r, j] - top)
+                scores[r, j] = e
+                total += e
+            inv = np.float32(1.0) / total
             for j in range(visible):
-                scores[r, j] /= total
+                scores[r, j] *= inv
             for j in range(visible, keys):
                 scores[r, j] = 0.0
         attended = np.zeros((rows, head_dim), np.float32)
-        for j in range(keys):
-            if j < past:
-                v = value_cache[block_tables[s, j // block_size], kv_head, j % block_size]
-            else:
-                v = value[start + j - past, kv_head]
+        for j0 in range(0, past, block_size):
+            blk = block_tables[s, j0 // block_size]
+            vb = value_cache[blk, kv_head]
             for r in range(rows):
-                p = scores[r, j]
+                for o in range(min(block_size, past - j0)):
+                    p = scores[r, j0 + o]
+                    for d in range(head_dim):
+                        attended[r, d] += p * vb[o, d]
+        for i in range(end - start):
+            for r in range(rows):
+                p = scores[r, past + i]
                 for d in range(head_dim):
-                    attended[r, d] += p * v[d]
+                    attended[r, d] += p * value[start + i, kv_head, d]
         for t in range(first, end):
             for g in range(group):
-                output[t, kv_head * group + g] = attended[(t - first) * group + g]
+                for d in range(head_dim):
+                    output[t, kv_head * group + g, d] = attended[(t - first) * group + g, d]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def store(pool, new, blocks, offsets):  # pragma: no cover — compiled; tested through the decoder
+    """pool[blocks[t], :, offsets[t]] = new[t] for every token t (NumPy's fancy-index assignment
+    of the same took 2 ms a step on the serving benchmark)."""
+    for t in numba.prange(new.shape[0]):
+        pool[blocks[t], :, offsets[t]] = new[t]

@@ -26,7 +26,7 @@ from llmc.compiler.onnx_io import infer_shapes, load_model_files, serialize
 from llmc.errors import LlmcError
 from llmc.passes.graph import attr
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch
-from llmc.plugins.paged_attention_cpu import CpuPagedAttention
+from llmc.plugins.paged_attention_cpu import CpuPagedAttention, store
 from llmc.plugins.paged_attention_onnx import register
 from llmc.runtime.backends.onnxruntime import open_session
 
@@ -116,7 +116,8 @@ class PagedDecoder:
         options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
-        # Between segments the attention kernel's threads work; onnxruntime's must not spin then.
+        # Between segments the attention kernel's threads work; onnxruntime's must not spin then
+        # (measured: a 16-sequence decode step took 141 ms with spinning on, 11 ms off).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._unpacked = tempfile.TemporaryDirectory(prefix="llmc-engine-")
         self.segments = split_at_paged_attention(model)
@@ -156,7 +157,7 @@ class PagedDecoder:
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = self._slots(batch)
         for pool, new in stores:
-            pool[blocks, :, offsets] = new
+            store(pool, np.ascontiguousarray(new, np.float32), blocks, offsets)
         return values["logits"][0]
 
     def _slots(self, batch: PagedBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -167,4 +168,4 @@ class PagedDecoder:
             slots = int(batch.context_lens[s]) + np.arange(count)
             blocks.append(batch.block_tables[s, slots // self.block_size])
             offsets.append(slots % self.block_size)
-        return np.concatenate(blocks), np.concatenate(offsets)
+        return np.concatenate(blocks).astype(np.int64), np.concatenate(offsets).astype(np.int64)
