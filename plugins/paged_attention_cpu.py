@@ -44,8 +44,8 @@ class StepLayout:
 
     batch: PagedBatch
     items: np.ndarray                        # the kernel's work: [items, 4] (seq, first, end, kv head)
-    dense_rows: np.ndarray                   # packed rows of the dense sequences
-    dense_feeds: dict[str, np.ndarray]       # the dense form's plan inputs for those sequences
+    dense: list[tuple[slice, dict[str, np.ndarray]]]  # per dense sequence: its packed rows, and
+                                                      # the dense form's plan inputs
 
 
 class CpuPagedAttention:
@@ -70,15 +70,14 @@ class CpuPagedAttention:
         counts = np.diff(starts)
         dense = np.flatnonzero(counts >= DENSE_MIN_TOKENS)
         items = work_items(starts, self.num_kv_heads, np.flatnonzero(counts < DENSE_MIN_TOKENS))
-        rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in dense] + [np.zeros(0, np.int64)])
-        feeds = {}
-        if len(dense):
-            sub = PagedBatch(batch.block_tables[dense], batch.context_lens[dense],
-                             np.concatenate([[0], np.cumsum(counts[dense])]))
-            feeds = plan_step(sub, self.block_size).feeds()
+        # One dense call per sequence: packed together, each would score the others' keys too.
+        plans = [(slice(starts[s], starts[s + 1]),
+                  plan_step(PagedBatch(batch.block_tables[s:s + 1], batch.context_lens[s:s + 1],
+                                       np.array([0, counts[s]])), self.block_size).feeds())
+                 for s in dense]
         return StepLayout(PagedBatch(np.ascontiguousarray(batch.block_tables, np.int64),
                                      np.ascontiguousarray(batch.context_lens, np.int64), starts),
-                          items, rows, feeds)
+                          items, plans)
 
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cache: np.ndarray,
                  value_cache: np.ndarray, layout: StepLayout, scale: float | None = None) -> np.ndarray:
@@ -91,11 +90,10 @@ class CpuPagedAttention:
             b = layout.batch
             _attend(query, key, value, key_cache, value_cache, b.block_tables, b.context_lens,
                     b.query_start_loc, layout.items, np.float32(scale), output)
-        if len(layout.dense_rows):
-            rows = layout.dense_rows
+        for rows, feeds in layout.dense:
             (output[rows],) = self._dense_session(scale).run(None, {
                 "query": query[rows], "key": key[rows], "value": value[rows],
-                "key_cache": key_cache, "value_cache": value_cache, **layout.dense_feeds})
+                "key_cache": key_cache, "value_cache": value_cache, **feeds})
         return output
 
     def _dense_session(self, scale: float) -> ort.InferenceSession:

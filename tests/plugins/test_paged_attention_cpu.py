@@ -44,5 +44,6 @@ def test_layout_sends_decodes_to_the_kernel_and_chunks_to_the_dense_form():
     # (sequence, first token, end token, kv head): one item per kv head per tile of 16 tokens.
     assert layout.items.tolist() == [[0, 0, 1, 0], [0, 0, 1, 1],
                                      [2, 65, 81, 0], [2, 65, 81, 1], [2, 81, 82, 0], [2, 81, 82, 1]]
-    assert layout.dense_rows.tolist() == list(range(1, 1 + DENSE_MIN_TOKENS))
-    assert layout.dense_feeds["paged_block_ids"].tolist() == []  # sequence 1 has no past yet
+    [(rows, feeds)] = layout.dense
+    assert (rows.start, rows.stop) == (1, 1 + DENSE_MIN_TOKENS)
+    assert feeds["paged_block_ids"].tolist() == []  # sequence 1 has no past yet

@@ -143,12 +143,15 @@ def test_new_requests_are_admitted_before_a_running_prefill_continues():
     assert [(c.request.request_id, c.count) for c in second] == [("short", 3), ("long", 61)]
 
 
-def test_prefill_chunks_are_capped_per_request():
+def test_prompt_tokens_per_step_are_capped_and_newcomers_take_them_first():
     blocks = BlockManager(64, 16)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_prefill_chunk=100), blocks)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_prefill_tokens=100), blocks)
     scheduler.add(Request("a", list(range(1, 301)), SamplingParams(), arrival=0.0))
     scheduler.add(Request("b", list(range(1, 51)), SamplingParams(), arrival=1.0))
-    chunks = scheduler.schedule(now=1.0)
-    assert [(c.request.request_id, c.count) for c in chunks] == [("a", 100), ("b", 50)]
-    with pytest.raises(LlmcError, match="max_prefill_chunk must be ≥ 1"):
-        SchedulerConfig(max_prefill_chunk=0)
+    first = scheduler.schedule(now=1.0)
+    assert [(c.request.request_id, c.count) for c in first] == [("a", 100)]  # b waits for the cap
+    scheduler.add(Request("c", list(range(1, 31)), SamplingParams(), arrival=2.0))
+    second = scheduler.schedule(now=2.0)
+    assert [(c.request.request_id, c.count) for c in second] == [("b", 50), ("c", 30), ("a", 20)]
+    with pytest.raises(LlmcError, match="max_prefill_tokens must be ≥ 1"):
+        SchedulerConfig(max_prefill_tokens=0)
