@@ -5,10 +5,11 @@
 1. Utilization: cached token slots in use ÷ slots allocated, on a mix of prompt and output
    lengths, for paged blocks of several sizes against contiguous max-length allocation (what a
    static-batch runtime reserves per request). Arithmetic over the workload, seeded.
-2. Latency: one decode token per sequence against a cached context of 128 … 4096, onnxruntime
-   CPU, 2 threads: the paged lowering (plugins/paged_attention_onnx.py, several block sizes)
-   against dense Attention-23 over a contiguous cache (what the fused dense graph runs). Variants
-   run interleaved, round-robin, so machine noise hits them alike; medians reported.
+2. Latency: one decode token per sequence against a cached context of 128 … 4096, CPU, 2
+   threads: the CPU backend's in-place kernel (plugins/paged_attention_cpu.py, block 16, "cpu-16")
+   and the dense form of the op in onnxruntime (plugins/paged_attention_onnx.py, several block
+   sizes) against dense Attention-23 over a contiguous cache (what the fused contiguous graph
+   runs). Variants run interleaved, round-robin, so machine noise hits them alike; medians.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from llmc.plugins.paged_attention import PagedBatch
+from llmc.plugins.paged_attention_cpu import CpuPagedAttention
 from llmc.plugins.paged_attention_onnx import plan_step, standalone_model
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
@@ -62,13 +64,15 @@ def dense_model():
 
 
 def latency_cases(rng, batch: int, context: int):
-    """Feeds for each variant at one (batch, context); the paged pool has 25% spare blocks."""
-    cases = {"dense": (_session(dense_model()), {
+    """One call per variant at one (batch, context); the paged pool has 25% spare blocks."""
+    dense = _session(dense_model())
+    dense_feeds = {
         "q": rng.standard_normal((batch, HEADS, 1, HEAD_DIM), np.float32),
         "k": rng.standard_normal((batch, KV_HEADS, 1, HEAD_DIM), np.float32),
         "v": rng.standard_normal((batch, KV_HEADS, 1, HEAD_DIM), np.float32),
         "past_k": rng.standard_normal((batch, KV_HEADS, context, HEAD_DIM), np.float32),
-        "past_v": rng.standard_normal((batch, KV_HEADS, context, HEAD_DIM), np.float32)})}
+        "past_v": rng.standard_normal((batch, KV_HEADS, context, HEAD_DIM), np.float32)}
+    cases = {"dense": lambda: dense.run(None, dense_feeds)}
     for block in BLOCK_SIZES:
         per_seq = -(-context // block)
         blocks = int(batch * per_seq * 1.25) + 1
@@ -81,7 +85,12 @@ def latency_cases(rng, batch: int, context: int):
                  "key_cache": rng.standard_normal(pool, np.float32),
                  "value_cache": rng.standard_normal(pool, np.float32), **plan.feeds()}
         model = standalone_model(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=block)
-        cases[f"paged-{block}"] = (_session(model), feeds)
+        cases[f"paged-{block}"] = lambda session=_session(model), feeds=feeds: session.run(None, feeds)
+        if block == 16:
+            kernel = CpuPagedAttention(HEADS, KV_HEADS, HEAD_DIM, block, threads=2)
+            layout = kernel.layout(PagedBatch(tables, np.full(batch, context), np.arange(batch + 1)))
+            tensors = [feeds[n] for n in ("query", "key", "value", "key_cache", "value_cache")]
+            cases["cpu-16"] = lambda kernel=kernel, layout=layout, tensors=tensors: kernel(*tensors, layout)
     return cases
 
 
@@ -92,15 +101,14 @@ def latency(rng, batches, contexts, rounds: int) -> list[dict]:
             print(f"latency: batch {batch}, context {context}", file=sys.stderr)
             cases = latency_cases(rng, batch, context)
             times = {name: [] for name in cases}
-            for name, (session, feeds) in cases.items():
+            for call in cases.values():
                 for _ in range(3):
-                    session.run(None, feeds)
+                    call()
             for r in range(rounds):
                 order = list(cases)[r % len(cases):] + list(cases)[: r % len(cases)]
                 for name in order:
-                    session, feeds = cases[name]
                     start = time.perf_counter()
-                    session.run(None, feeds)
+                    cases[name]()
                     times[name].append(time.perf_counter() - start)
             row = {"batch": batch, "context": context}
             row.update({f"{name}_us": float(np.median(t) * 1e6) for name, t in times.items()})
@@ -128,7 +136,7 @@ def main() -> None:
     print(f"  contiguous max-length  {u['contiguous_max_len']:.3f}")
     for block in (1, 8, 16, 32, 64, 256):
         print(f"  paged, block {block:3d}      {u[f'paged_block_{block}']:.3f}")
-    names = ["dense"] + [f"paged-{b}" for b in BLOCK_SIZES]
+    names = ["dense", "cpu-16"] + [f"paged-{b}" for b in BLOCK_SIZES]
     print("\ndecode attention latency, µs (median); ratio = paged / dense")
     print("batch  context  " + "  ".join(f"{n:>10s}" for n in names) + "  " +
           "  ".join(f"{n + '/dense':>15s}" for n in names[1:]))

@@ -67,3 +67,11 @@ def test_graph_is_cut_at_every_attention(tiny_llama_onnx):
 def test_engine_graph_without_paged_attention_is_refused(tiny_llama_onnx):
     with pytest.raises(LlmcError, match="no PagedAttention node"):
         split_at_paged_attention(onnx.load(tiny_llama_onnx))
+
+
+def test_only_the_asked_rows_reach_the_vocabulary_projection(tiny_llama_onnx):
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    LowerPagedAttention(16).run(model)
+    head = next(n for n in model.graph.node if "logits" in n.output)
+    rows = next(n for n in model.graph.node if head.input[0] in n.output)
+    assert (head.op_type, rows.op_type, list(rows.input)[1]) == ("MatMul", "Gather", "logits_rows")
