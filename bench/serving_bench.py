@@ -15,6 +15,8 @@ Useful output = the requested tokens; tokens a system generates past a request's
   hf-single       transformers `generate`, one request at a time
   genai           onnxruntime-genai (og.Model/og.Generator over its model builder's output),
                   groups of 16 in arrival order run to completion, left padding, greedy
+  llmc-64, genai-64  the same with 64 seats (same engine and pool) and groups of 64: whether
+                  the ranking holds when both batch wider
 
 Scenario 2, interference (llmc only): 16 short requests (prompts 32-128, 16 output tokens)
 arriving at Poisson times after t=0, alone and with one 3,000-token prompt (64 output tokens)
@@ -54,6 +56,9 @@ SPEC = ModelSpec(max_positions=4096)
 # Goals of issue 5.
 GOALS = {"vs_hf_static": 3.0, "vs_genai": 2.0, "ttft_interference": 2.0, "kv_utilization": 0.96}
 GROUP = 16  # static batch size of hf-static and genai; also the engine's default max batch
+# A second, wider setting for both continuous and static batching: llmc with this many seats
+# (same engine, same pool) against genai in groups of this many.
+WIDE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +149,13 @@ def interference_workloads(scale: Scale, seed: int, special: set[int]) -> tuple[
 # --- the systems -----------------------------------------------------------------------------
 
 
-def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int) -> dict[str, Any]:
-    from llmc.runtime.engine import Engine
+def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seats: int | None = None) -> dict[str, Any]:
+    from llmc.runtime.engine import Engine, SchedulerConfig
 
-    engine = Engine.from_file(engine_path, threads=threads)
+    config = SchedulerConfig(max_num_seqs=seats) if seats else None  # None: the engine's max batch
+    engine = Engine.from_file(engine_path, config, threads=threads)
     run_workload(engine, [BenchRequest(workload[0].prompt[:16], 4)])  # warm-up
-    engine = Engine.from_file(engine_path, threads=threads)  # fresh counters
+    engine = Engine.from_file(engine_path, config, threads=threads)  # fresh counters
     done = 0
 
     def progress(tokens: int) -> None:
@@ -218,7 +224,7 @@ def run_hf_single(model, workload: list[BenchRequest], pad: int) -> dict[str, An
     return _finish("hf-single", useful, useful, time.perf_counter() - start, requests=len(workload))
 
 
-def run_genai(folder: Path, workload: list[BenchRequest], threads: int, pad: int) -> dict[str, Any]:
+def run_genai(folder: Path, workload: list[BenchRequest], threads: int, pad: int, group: int = GROUP) -> dict[str, Any]:
     import onnxruntime_genai as og
 
     config = og.Config(str(folder))
@@ -247,11 +253,11 @@ def run_genai(folder: Path, workload: list[BenchRequest], threads: int, pad: int
 
     run_group([BenchRequest(workload[0].prompt[:16], 4)])  # warm-up
     start, generated = time.perf_counter(), 0
-    for first in range(0, len(workload), GROUP):
-        generated += run_group(workload[first:first + GROUP])
-        log(f"  genai: group {first // GROUP + 1} done")
+    for first in range(0, len(workload), group):
+        generated += run_group(workload[first:first + group])
+        log(f"  genai: group {first // group + 1} done")
     useful = sum(r.output_len for r in workload)
-    return _finish("genai", useful, generated, time.perf_counter() - start, batch=GROUP)
+    return _finish("genai", useful, generated, time.perf_counter() - start, batch=group)
 
 
 def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[BenchRequest],
@@ -317,6 +323,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"run: {name} FAILED: {errors[name]}")
 
     attempt("llmc", lambda: run_llmc(built["llmc_engine"], workload, args.threads))
+    attempt(f"llmc-{WIDE}", lambda: run_llmc(built["llmc_engine"], workload, args.threads, seats=WIDE))
     shorts, mixed = interference_workloads(scale, args.seed, special)
     interference = None
     try:
@@ -327,6 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()  # drop the engines' sessions and pools before the others run
     if "genai_model" in built:
         attempt("genai", lambda: run_genai(built["genai_model"], workload, args.threads, pad))
+        attempt(f"genai-{WIDE}", lambda: run_genai(built["genai_model"], workload, args.threads, pad, WIDE))
     else:
         errors["genai"] = built["genai_error"]
     model = load_hf(checkpoint, args.threads)
@@ -338,6 +346,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mine = systems["llmc"]["throughput_tok_s"]
         ratios = {f"llmc_vs_{name}": round(mine / s["throughput_tok_s"], 2)
                   for name, s in systems.items() if name != "llmc"}
+    if f"llmc-{WIDE}" in systems and f"genai-{WIDE}" in systems:
+        ratios[f"llmc-{WIDE}_vs_genai-{WIDE}"] = round(
+            systems[f"llmc-{WIDE}"]["throughput_tok_s"] / systems[f"genai-{WIDE}"]["throughput_tok_s"], 2)
     return {
         "benchmark": "serving", "quick": args.quick, "seed": args.seed, "threads": args.threads,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -392,6 +403,9 @@ def render(result: dict[str, Any]) -> str:
         checks.append(f"TTFT interference {i['p99_ratio']}× (goal ≤ {goals['ttft_interference']}×)")
     if llmc:
         checks.append(f"kv_utilization {llmc['kv_utilization']:.3f} (goal ≥ {goals['kv_utilization']})")
+    wide = f"llmc-{WIDE}_vs_genai-{WIDE}"
+    if wide in result["ratios"]:
+        lines += [f"at {WIDE} seats / groups of {WIDE}: llmc-{WIDE} is {result['ratios'][wide]}× genai-{WIDE}"]
     lines += ["goals: " + "; ".join(checks)]
     lines += [f"FAILED {name}: {message}" for name, message in result["errors"].items()]
     return "\n".join(lines)
