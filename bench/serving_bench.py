@@ -15,7 +15,7 @@ Useful output = the requested tokens; tokens a system generates past a request's
   hf-single       transformers `generate`, one request at a time
   genai           onnxruntime-genai (og.Model/og.Generator over its model builder's output),
                   groups of 16 in arrival order run to completion, left padding, greedy
-  llmc-64, genai-64  the same with 64 seats (same engine and pool) and groups of 64: whether
+  llmc-32, genai-32  the same with 32 seats (same engine and pool) and groups of 32: whether
                   the ranking holds when both batch wider
 
 Scenario 2, interference (llmc only): 16 short requests (prompts 32-128, 16 output tokens)
@@ -58,7 +58,7 @@ GOALS = {"vs_hf_static": 3.0, "vs_genai": 2.0, "ttft_interference": 2.0, "kv_uti
 GROUP = 16  # static batch size of hf-static and genai; also the engine's default max batch
 # A second, wider setting for both continuous and static batching: llmc with this many seats
 # (same engine, same pool) against genai in groups of this many.
-WIDE = 64
+WIDE = 32  # onnxruntime-genai refuses batches over 32 ("batch_size (64) must be in [1, 32]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,9 @@ class Engine:
         self.config = config or SchedulerConfig(max_num_seqs=paged["max_batch"])
         self.blocks = BlockManager(paged["num_blocks"], paged["block_size"])
         self.scheduler = Scheduler(self.config, self.blocks)
+        self.decoder.warm_up(min(self.config.max_num_batched_tokens,
+                                 self.config.max_prefill_tokens or self.config.max_num_batched_tokens),
+                             self.config.max_num_seqs)
         self._ids = itertools.count()
         self._utilization: list[float] = []
 

@@ -4,7 +4,8 @@ Every step packs, under a token budget and a cap on sequences:
   1. running requests that decode (one token each) — first, so a long prompt never freezes them;
   2. waiting requests, admitted in FIFO or priority order while seats, budget and KV blocks last;
   3. running requests still in prefill, shortest remaining prompt first, one chunk each
-     (chunked prefill) with what budget is left.
+     (chunked prefill) with what budget is left; beside other requests, a chunk deep in a long
+     prompt shrinks as its context grows, so that such steps stay short too.
 When a running request needs a block for its next token and the pool is empty, the scheduler
 preempts by recompute: the lowest-ranked running request (the newest under FIFO) gives back all
 its blocks and returns to the front of the queue with its output so far, to be prefilled again
@@ -25,6 +26,11 @@ from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.sampling_params import SamplingParams
 
 POLICIES = ("fifo", "priority")
+# Past this many computed tokens a prompt's chunk shrinks in proportion (see Scheduler._chunk).
+LONG_CONTEXT = 512
+# The smallest chunk worth running of a prompt in prefill (it is the CPU attention's threshold
+# for its dense path too: below it, the in-place kernel serves the chunk, slowly at long context).
+QUERY_FLOOR = 16
 
 
 @dataclass(frozen=True)
@@ -164,9 +170,11 @@ class Scheduler:
                 if not self._make_room(request):
                     preempted = True
                     continue
-                count = min(self._remaining(request), budget, 1 if decoding else prefill)
-                if count == 0:
-                    continue
+                count = min(self._remaining(request), budget, 1 if decoding else self._chunk(request, prefill))
+                sliver = not decoding and count < min(QUERY_FLOOR, self._remaining(request)) \
+                    and prefill < (self.config.max_prefill_tokens or self.config.max_num_batched_tokens)
+                if count == 0 or sliver:
+                    continue  # what other prompts left of the cap: costs more than it advances
                 chunks.append(Chunk(request, request.num_computed, count))
                 budget -= count
                 prefill -= 0 if decoding else count
@@ -176,6 +184,14 @@ class Scheduler:
                 budget -= sum(c.count for c in admitted)
                 prefill -= sum(c.count for c in admitted)
         return chunks
+
+    def _chunk(self, request: Request, prefill: int) -> int:
+        """Prompt tokens a request in prefill may run now. Beside other requests, a chunk's
+        attention grows with the tokens already computed, so deep in a long prompt the chunk
+        shrinks to keep the step as short as a full chunk at `LONG_CONTEXT`."""
+        if len(self.running) == 1:
+            return prefill
+        return min(prefill, max(QUERY_FLOOR, prefill * LONG_CONTEXT // max(LONG_CONTEXT, request.num_computed)))
 
     def _admit(self, budget: int, now: float) -> list[Chunk]:
         chunks = []

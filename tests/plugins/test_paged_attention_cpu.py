@@ -37,13 +37,13 @@ def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale)
 
 
 def test_layout_sends_decodes_to_the_kernel_and_chunks_to_the_dense_form():
-    new = [1, DENSE_MIN_TOKENS, QUERY_TILE + 1]
+    new = [1, DENSE_MIN_TOKENS - 1, DENSE_MIN_TOKENS]
     starts = np.concatenate([[0], np.cumsum(new)])
-    batch = PagedBatch(np.array([[3, 0], [5, 6], [1, 2]]), np.array([20, 0, 4]), starts)
+    batch = PagedBatch(np.array([[3, 0], [5, 6], [1, 2]]), np.array([20, 4, 0]), starts)
     layout = CpuPagedAttention(4, 2, 64, 16).layout(batch)
-    # (sequence, first token, end token, kv head): one item per kv head per tile of 16 tokens.
-    assert layout.items.tolist() == [[0, 0, 1, 0], [0, 0, 1, 1],
-                                     [2, 65, 81, 0], [2, 65, 81, 1], [2, 81, 82, 0], [2, 81, 82, 1]]
+    # (sequence, first token, end token, kv head): one item per kv head per tile of new tokens.
+    assert QUERY_TILE >= DENSE_MIN_TOKENS - 1
+    assert layout.items.tolist() == [[0, 0, 1, 0], [0, 0, 1, 1], [1, 1, 16, 0], [1, 1, 16, 1]]
     [(rows, feeds)] = layout.dense
-    assert (rows.start, rows.stop) == (1, 1 + DENSE_MIN_TOKENS)
-    assert feeds["paged_block_ids"].tolist() == []  # sequence 1 has no past yet
+    assert (rows.start, rows.stop) == (16, 16 + DENSE_MIN_TOKENS)
+    assert feeds["paged_block_ids"].tolist() == []  # sequence 2 has no past yet

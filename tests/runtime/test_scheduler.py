@@ -155,3 +155,30 @@ def test_prompt_tokens_per_step_are_capped_and_newcomers_take_them_first():
     assert [(c.request.request_id, c.count) for c in second] == [("b", 50), ("c", 30), ("a", 20)]
     with pytest.raises(LlmcError, match="max_prefill_tokens must be ≥ 1"):
         SchedulerConfig(max_prefill_tokens=0)
+
+
+def _advance(scheduler, blocks, chunks):
+    for chunk in chunks:
+        chunk.request.num_computed += chunk.count
+        blocks.mark_computed(chunk.request.request_id, chunk.request.num_computed)
+
+
+def test_deep_in_a_long_prompt_its_chunk_shrinks_while_others_run_and_slivers_wait():
+    blocks = BlockManager(256, 16)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_prefill_tokens=128), blocks)
+    long_prompt = Request("long", list(range(1, 2001)), SamplingParams(max_new_tokens=1), arrival=0.0)
+    scheduler.add(long_prompt)
+    for _ in range(8):  # alone, it runs full chunks: 1,024 tokens computed
+        chunks = scheduler.schedule(now=0.0)
+        assert [(c.request.request_id, c.count) for c in chunks] == [("long", 128)]
+        _advance(scheduler, blocks, chunks)
+    short = Request("short", list(range(5001, 5121)), SamplingParams(max_new_tokens=4), arrival=1.0)
+    scheduler.add(short)
+    # The newcomer takes 120 of the 128; an 8-token sliver of the long prompt waits.
+    chunks = scheduler.schedule(now=1.0)
+    assert [(c.request.request_id, c.count) for c in chunks] == [("short", 120)]
+    _advance(scheduler, blocks, chunks)
+    short.output_ids.append(7)  # its first token, sampled
+    # Beside the short one's decode, the long prompt's chunk is 128 · 512 / 1,024 tokens.
+    chunks = scheduler.schedule(now=2.0)
+    assert [(c.request.request_id, c.count) for c in chunks] == [("short", 1), ("long", 64)]
