@@ -93,8 +93,10 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--max-batch", default=16, show_default=True, type=int, help="Sequences per step.")
 @click.option("--max-seq-len", default=None, type=int, help="Longest sequence (default: the model's positions).")
 @click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: max-batch full sequences).")
+@click.option("--weights", default=None, help="Store MatMul weights as int8 or int4 (block-wise; activations stay float).")
+@click.option("--weights-block-size", default=32, show_default=True, type=int, help="Weights per scale for --weights.")
 def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, block_size,
-                    max_batch, max_seq_len, kv_pool_mb):
+                    max_batch, max_seq_len, kv_pool_mb, weights, weights_block_size):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
     from llmc.compiler.paged_engine import PagedOptions
@@ -104,7 +106,8 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
         options = PagedOptions(max_batch=max_batch, max_seq_len=max_seq_len, kv_pool_mb=kv_pool_mb,
                                **({"block_size": block_size} if block_size is not None else {}))
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
-                             passes=_pass_names(passes), verify=verify, paged=options, progress=_progress)
+                             passes=_pass_names(passes), verify=verify, paged=options, weights=weights,
+                             weights_block_size=weights_block_size, progress=_progress)
     steps = manifest["optimization"]
     if steps:
         fused = ", ".join(f"{e['pass']} {e['matches']}" for e in steps

@@ -22,7 +22,7 @@ _NORM_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 def register() -> None:
     """Register the contrib schemas with onnx (once per process)."""
     for schema in (_quick_gelu(), _skip_norm("SkipLayerNormalization", beta=True),
-                   _skip_norm("SkipSimplifiedLayerNormalization", beta=False)):
+                   _skip_norm("SkipSimplifiedLayerNormalization", beta=False), _matmul_nbits()):
         try:
             defs.get_schema(schema.name, schema.since_version, schema.domain)
         except defs.SchemaError:
@@ -58,6 +58,37 @@ def _skip_norm(name: str, beta: bool) -> OpSchema:
         attributes=[OpSchema.Attribute("epsilon", OpSchema.AttrType.FLOAT, "", required=False)])
     schema.set_type_and_shape_inference_function(_skip_norm_outputs)
     return schema
+
+
+def _matmul_nbits() -> OpSchema:
+    optional = OpSchema.FormalParameterOption.Optional
+    schema = OpSchema(
+        "MatMulNBits", DOMAIN, 1, "Y = A · dequantize(B)ᵀ with B block-quantized along K.",
+        inputs=[OpSchema.FormalParameter("A", "T1"), OpSchema.FormalParameter("B", "T2"),
+                OpSchema.FormalParameter("scales", "T1"),
+                OpSchema.FormalParameter("zero_points", "T3", param_option=optional),
+                OpSchema.FormalParameter("g_idx", "T4", param_option=optional),
+                OpSchema.FormalParameter("bias", "T1", param_option=optional)],
+        outputs=[OpSchema.FormalParameter("Y", "T1")],
+        type_constraints=[("T1", ["tensor(float)", "tensor(float16)"], ""), ("T2", ["tensor(uint8)"], ""),
+                          ("T3", ["tensor(uint8)", "tensor(float)", "tensor(float16)"], ""),
+                          ("T4", ["tensor(int32)"], "")],
+        attributes=[OpSchema.Attribute(name, OpSchema.AttrType.INT, "", required=True) for name in ("K", "N", "block_size")]
+        + [OpSchema.Attribute(name, OpSchema.AttrType.INT, "", required=False) for name in ("bits", "accuracy_level")])
+    schema.set_type_and_shape_inference_function(_matmul_nbits_output)
+    return schema
+
+
+def _matmul_nbits_output(ctx) -> None:
+    out = _copy(ctx.get_input_type(0))
+    n = ctx.get_attribute("N")
+    if n is not None and out.tensor_type.HasField("shape") and out.tensor_type.shape.dim:
+        last = out.tensor_type.shape.dim[-1]
+        last.Clear()
+        last.dim_value = n.i
+    elif out.tensor_type.HasField("shape"):
+        out.tensor_type.ClearField("shape")
+    ctx.set_output_type(0, out)
 
 
 def _same_as_input(ctx) -> None:

@@ -1,0 +1,1 @@
+"""Precision: weight-only quantization, and the accuracy check that measures what it costs."""

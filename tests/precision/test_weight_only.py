@@ -1,0 +1,66 @@
+"""Weight-only quantization: scales and codes by hand, round-trip error bounds, and onnxruntime's
+MatMulNBits computing exactly A · dequantized(W)."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from llmc.errors import LlmcError
+from llmc.precision.weight_only import dequantize_blocks, pack, quantize_blocks, quantize_weights
+
+RNG = np.random.default_rng(0)
+
+
+def test_scales_and_codes_by_hand():
+    # One column, K = 4, blocks of 2: block [1.2, -2] has scale 2/7, block [0.5, 0.3] 0.5/7.
+    weight = np.array([[1.2], [-2.0], [0.5], [0.3]], np.float32)
+    codes, scales = quantize_blocks(weight, bits=4, block_size=2)
+    np.testing.assert_allclose(scales, [[2 / 7, 0.5 / 7]], rtol=1e-6)
+    assert codes.tolist() == [[[8 + 4, 8 - 7], [8 + 7, 8 + 4]]]  # round(1.2 · 3.5) = 4, round(0.3 · 14) = 4
+    assert pack(codes, 4).tolist() == [[[12 | (1 << 4)], [15 | (12 << 4)]]]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k", [64, 70])  # 70: a last, partial block
+def test_round_trip_error_is_at_most_half_a_step(bits, k):
+    weight = RNG.standard_normal((k, 24)).astype(np.float32)
+    codes, scales = quantize_blocks(weight, bits, 32)
+    restored = dequantize_blocks(codes, scales, bits, k)
+    step = np.repeat(scales, 32, axis=1)[:, :k].T  # each weight's own block scale
+    assert np.all(np.abs(restored - weight) <= step / 2 + 1e-6)
+    # The bound is tight enough to mean something: relative error ~ 1/(2·(2^(bits-1)-1)).
+    relative = np.abs(restored - weight).mean() / np.abs(weight).mean()
+    assert relative < {4: 0.12, 8: 0.006}[bits]
+
+
+def _matmul_model(weight):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "w"], ["y"], name="proj")], "mm",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, "t", weight.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "t", weight.shape[1]])],
+        [numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_onnxruntime_matmulnbits_equals_the_dequantized_matmul(bits):
+    weight = RNG.standard_normal((96, 40)).astype(np.float32)
+    model = _matmul_model(weight)
+    assert quantize_weights(model, bits, block_size=32) == ["proj"]
+    onnx.checker.check_model(model)
+    assert [n.op_type for n in model.graph.node] == ["MatMulNBits"]
+    assert not any(t.name == "w" for t in model.graph.initializer)  # the fp32 weight is gone
+    a = RNG.standard_normal((1, 5, 96)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    codes, scales = quantize_blocks(weight, bits, 32)
+    expected = a @ dequantize_blocks(codes, scales, bits, 96)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(LlmcError, match="int3"):
+        quantize_weights(_matmul_model(np.ones((4, 4), np.float32)), 3)
+    with pytest.raises(LlmcError, match="--weights-block-size: 48"):
+        quantize_weights(_matmul_model(np.ones((4, 4), np.float32)), 4, block_size=48)
