@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from llmc.compiler.engine_file import read_engine
 from llmc.errors import LlmcError
+from llmc.plugins.paged_attention import PagedBatch
 from llmc.tokenizer import Tokenizer
 from llmc.runtime.backends.onnxruntime import OnnxRuntimeDecoder
 from llmc.runtime.contiguous_generation import TokenEvent, generate_tokens
@@ -56,6 +59,24 @@ class LLM:
         self._decoder = None if paged else OnnxRuntimeDecoder(engine, threads)
         self.paged_decoder = paged and PagedDecoder.from_engine(engine, threads)
         self.max_seq_len = paged["max_seq_len"] if paged else self._decoder.geometry.max_positions
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """[tokens, vocab] logits at every position of one sequence, computed from scratch
+        (accuracy checks: perplexity, agreement with a reference)."""
+        ids = np.asarray(token_ids, np.int64)
+        if not 0 < len(ids) <= self.max_seq_len:
+            raise LlmcError(f"logits: {len(ids)} tokens; this engine takes 1 to {self.max_seq_len}")
+        positions = np.arange(len(ids))
+        if self.paged_decoder:
+            decoder = self.paged_decoder
+            blocks = -(-len(ids) // decoder.block_size)
+            batch = PagedBatch(np.arange(blocks)[None], np.zeros(1, np.int64), np.array([0, len(ids)]))
+            # A fresh sequence in the pool's first blocks: only Engine hands out blocks, and it
+            # is not running on this decoder while this call is.
+            return decoder.step(ids, positions, batch, rows=positions)
+        cache = self._decoder.empty_cache(1)
+        logits, _ = self._decoder.step(ids[None], np.ones((1, len(ids)), np.int64), positions[None], cache)
+        return logits[0]
 
     def generate(self, prompts: str | Sequence[str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:

@@ -141,11 +141,14 @@ class PagedDecoder:
         return cls(model, Geometry(**manifest["geometry"]), paged["block_size"], paged["num_blocks"],
                    paged["max_seq_len"], threads)
 
-    def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch) -> np.ndarray:
-        """Run one packed step; stores its keys and values; returns each sequence's last logits."""
+    def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
+             rows: np.ndarray | None = None) -> np.ndarray:
+        """Run one packed step; stores its keys and values; returns the logits of the packed
+        `rows` (default: each sequence's last token)."""
         layout = self.attention.layout(batch)
+        rows = batch.query_start_loc[1:] - 1 if rows is None else rows
         values = {"input_ids": tokens[None], "position_ids": positions[None],
-                  "logits_rows": batch.query_start_loc[1:] - 1, **self.pools}
+                  "logits_rows": np.asarray(rows, np.int64), **self.pools}
         stores = []
         for segment, session in zip(self.segments, self._sessions):
             if session is not None:

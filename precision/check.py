@@ -1,0 +1,144 @@
+"""`llmc check`: how far an engine's outputs are from a reference ONNX model's, on real text.
+
+Both run every window of the held-out data from scratch (no cache), and the report compares
+their next-token distributions position by position:
+
+    perplexity           exp(mean negative log-likelihood of the actual next token), each model
+    ppl_increase_pct     100 · (engine / reference − 1)
+    top1_agreement       fraction of positions where both predict the same most likely token
+    mean_kl              mean KL(reference ‖ engine) of the next-token distributions, nats
+    logit_cosine         mean cosine similarity of the logit vectors
+    first_divergence     the first generated token where greedy generation (from the first
+                         window's opening tokens) differs, or None within `generate` tokens
+
+The reference is the graph the engine was compiled from (or any decoder-with-past graph with
+the same vocabulary); it runs in onnxruntime with an empty past, unoptimized.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnxruntime as ort
+
+from llmc.compiler.decoder_interface import recognize_decoder
+from llmc.compiler.onnx_io import load_onnx
+from llmc.errors import LlmcError
+from llmc.precision.data import read_documents, windows
+
+
+@dataclass(frozen=True)
+class AccuracyReport:
+    tokens: int                 # positions compared (predictions made)
+    windows: int
+    reference_ppl: float
+    engine_ppl: float
+    ppl_increase_pct: float
+    top1_agreement: float
+    mean_kl: float
+    logit_cosine: float
+    first_divergence: int | None
+    generated: int              # greedy tokens compared
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ReferenceModel:
+    """A decoder-with-past ONNX file run from scratch: logits at every position of one sequence."""
+
+    def __init__(self, path: str | os.PathLike, threads: int | None = None):
+        model = load_onnx(path)
+        self.interface = recognize_decoder(model, Path(path))
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self._inputs = {i.name: i for i in self.session.get_inputs()}
+        self.vocab_size = self.interface.geometry.vocab_size
+
+    def logits(self, token_ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(token_ids, np.int64)[None]
+        feeds = {}
+        for name, value in self._inputs.items():
+            if name == "input_ids":
+                feeds[name] = ids
+            elif name == "attention_mask":
+                feeds[name] = np.ones_like(ids)
+            elif name == "position_ids":
+                feeds[name] = np.arange(ids.shape[1])[None]
+            else:  # an empty past: [1, kv_heads, 0, head_dim]
+                shape = [1 if i == 0 else 0 if i == 2 else d for i, d in enumerate(value.shape)]
+                feeds[name] = np.zeros(shape, np.float16 if "float16" in value.type else np.float32)
+        return self.session.run(["logits"], feeds)[0][0].astype(np.float32)
+
+
+def check(engine, reference: ReferenceModel, data: str | os.PathLike, *, window: int = 256,
+          max_tokens: int = 4096, generate: int = 32,
+          progress: Callable[[str], None] = lambda message: None) -> AccuracyReport:
+    """Compare `engine` (an `LLM`) with `reference` on the documents in `data`.
+
+    Args:
+        engine: the engine under test.
+        reference: the reference model.
+        data: folder of held-out text or token arrays (precision/data.py).
+        window: tokens per window (capped by both models' positions).
+        max_tokens: tokens read from the data at most.
+        generate: greedy tokens compared for `first_divergence`.
+    """
+    vocab = engine.manifest["geometry"]["vocab_size"]
+    if reference.vocab_size != vocab:
+        raise LlmcError(f"--reference: vocabulary {reference.vocab_size} differs from the engine's {vocab}")
+    if window < 2 or max_tokens < 2:
+        raise LlmcError("--window and --max-tokens must be at least 2")
+    length = min(window, engine.max_seq_len, reference.interface.geometry.max_positions)
+    pieces = windows(read_documents(data, engine.tokenizer, vocab), length, max_tokens)
+    if not pieces:
+        raise LlmcError(f"--data: {data} holds no document of 2 tokens or more")
+    nll_ref, nll_eng, agree, kl, cosine = [], [], [], [], []
+    for index, piece in enumerate(pieces):
+        progress(f"window {index + 1}/{len(pieces)} ({len(piece)} tokens)")
+        ref_logits, eng_logits = reference.logits(piece)[:-1], engine.logits(piece)[:-1]
+        ref, eng = _log_softmax(ref_logits), _log_softmax(eng_logits)
+        targets = piece[1:]
+        rows = np.arange(len(targets))
+        nll_ref.append(-ref[rows, targets])
+        nll_eng.append(-eng[rows, targets])
+        agree.append(ref.argmax(-1) == eng.argmax(-1))
+        kl.append((np.exp(ref) * (ref - eng)).sum(-1))
+        cosine.append((ref_logits * eng_logits).sum(-1)
+                      / (np.linalg.norm(ref_logits, axis=-1) * np.linalg.norm(eng_logits, axis=-1) + 1e-12))
+    progress(f"greedy generation, {generate} tokens each")
+    prompt = pieces[0][:min(16, len(pieces[0]))]
+    divergence = _first_divergence(engine, reference, prompt, generate, length)
+    ppl_ref = float(np.exp(np.concatenate(nll_ref).mean()))
+    ppl_eng = float(np.exp(np.concatenate(nll_eng).mean()))
+    return AccuracyReport(
+        tokens=int(sum(len(p) - 1 for p in pieces)), windows=len(pieces), reference_ppl=ppl_ref,
+        engine_ppl=ppl_eng, ppl_increase_pct=100.0 * (ppl_eng / ppl_ref - 1.0),
+        top1_agreement=float(np.concatenate(agree).mean()), mean_kl=float(np.concatenate(kl).mean()),
+        logit_cosine=float(np.concatenate(cosine).mean()), first_divergence=divergence, generated=generate)
+
+
+def _first_divergence(engine, reference: ReferenceModel, prompt: np.ndarray, count: int, limit: int) -> int | None:
+    """Greedy continuation by recomputation from `prompt` with both; the index of the first
+    differing token, or None."""
+    ref_ids, eng_ids = list(prompt), list(prompt)
+    for step in range(min(count, limit - len(prompt))):
+        ref_ids.append(int(reference.logits(np.array(ref_ids))[-1].argmax()))
+        eng_ids.append(int(engine.logits(np.array(eng_ids))[-1].argmax()))
+        if ref_ids[-1] != eng_ids[-1]:
+            return step
+    return None
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
