@@ -93,21 +93,33 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--max-batch", default=16, show_default=True, type=int, help="Sequences per step.")
 @click.option("--max-seq-len", default=None, type=int, help="Longest sequence (default: the model's positions).")
 @click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: max-batch full sequences).")
-@click.option("--weights", default=None, help="Store MatMul weights as int8 or int4 (block-wise; activations stay float).")
+@click.option("--fp16", is_flag=True, help="Compute in fp16, with fp32 norms, attention and residual sums.")
+@click.option("--int8-calib", type=click.Path(), help="Static int8 (Q/DQ) for linear layers, calibrated on "
+              "this folder's .txt/.jsonl/.npy/.npz.")
+@click.option("--calibrator", default="minmax", show_default=True, help="minmax, percentile or entropy.")
+@click.option("--smoothquant", type=float, default=None, help="SmoothQuant alpha (e.g. 0.5) for --int8-calib.")
+@click.option("--calib-tokens", default=4096, show_default=True, type=int, help="Calibration tokens read at most.")
+@click.option("--weights", default=None, help="Weight-only int8 or int4 for linear layers (activations stay float).")
 @click.option("--weights-block-size", default=32, show_default=True, type=int, help="Weights per scale for --weights.")
+@click.option("--precision-config", type=click.Path(), help="Mixed precision: JSON mapping layers or op types "
+              "to fp32/fp16/int8/int8-weights/int4.")
 def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, block_size,
-                    max_batch, max_seq_len, kv_pool_mb, weights, weights_block_size):
+                    max_batch, max_seq_len, kv_pool_mb, fp16, int8_calib, calibrator, smoothquant, calib_tokens,
+                    weights, weights_block_size, precision_config):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
     from llmc.compiler.paged_engine import PagedOptions
+    from llmc.precision.plan import PrecisionOptions
 
     options = None
     if paged:
         options = PagedOptions(max_batch=max_batch, max_seq_len=max_seq_len, kv_pool_mb=kv_pool_mb,
                                **({"block_size": block_size} if block_size is not None else {}))
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
-                             passes=_pass_names(passes), verify=verify, paged=options, weights=weights,
-                             weights_block_size=weights_block_size, progress=_progress)
+                             passes=_pass_names(passes), verify=verify, paged=options,
+                             precision=PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens,
+                                                        weights, weights_block_size, precision_config),
+                             progress=_progress)
     steps = manifest["optimization"]
     if steps:
         fused = ", ".join(f"{e['pass']} {e['matches']}" for e in steps

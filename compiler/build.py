@@ -20,10 +20,8 @@ from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_file import write_engine
 from llmc.compiler.onnx_io import load_onnx, serialize, validate
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
-from llmc.precision.weight_only import BLOCK_SIZES as WEIGHT_BLOCK_SIZES
-from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE as DEFAULT_WEIGHT_BLOCK
-from llmc.precision.weight_only import quantize_weights
-from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, resolve
+from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
+from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, refresh_shapes, resolve
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
 
@@ -36,7 +34,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
                   tokenizer: str | os.PathLike | None = None,
                   level: str | int | None = None, passes: Iterable[str] | None = None,
                   verify: bool = False, paged: PagedOptions | None = PagedOptions(),
-                  weights: str | None = None, weights_block_size: int = DEFAULT_WEIGHT_BLOCK,
+                  precision: PrecisionOptions = PrecisionOptions(),
                   progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Compile a decoder-with-past ONNX file into an engine file; returns the engine's manifest.
 
@@ -51,15 +49,14 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         paged: build a paged-KV engine with these options (the default); None keeps the
             contiguous past/present interface. A model the paged op cannot express (e.g. a
             sliding window) falls back to contiguous, with the reason in the manifest.
-        weights: "int8" or "int4" stores MatMul weights block-quantized (precision/weight_only.py);
-            None keeps them as they are.
-        weights_block_size: weights per scale along K for `weights`.
+        precision: fp16, int8 (calibrated Q/DQ), weight-only int8/int4 and mixed precision
+            (precision/plan.py); the default keeps the exported precision.
     """
     onnx_path = Path(onnx_path)
     if backend not in BACKENDS:
         raise LlmcError(f"--backend: unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
     resolve(level, passes)  # a bad option fails before the model is read
-    bits = _weight_bits(weights, weights_block_size)
+    mixed = check_options(precision)
     model = load_onnx(onnx_path)
     validate(model, onnx_path)
     interface = recognize_decoder(model, onnx_path)
@@ -67,15 +64,16 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if tok.vocab_size > interface.geometry.vocab_size:
         raise LlmcError(f"tokenizer: {tok.vocab_size} tokens do not fit the model's vocabulary of "
                         f"{interface.geometry.vocab_size}")
+    g = interface.geometry
+    calibration = calibration_windows(precision, tok, g.vocab_size, g.max_positions)  # bad data fails early
     source_nodes = len(model.graph.node)
     pool = plan_pool(paged, interface) if paged is not None else None  # bad sizes fail early
     progress(f"optimizing {source_nodes} nodes")
     model, report = optimize(model, level=level, passes=passes, verify=verify)
-    precision = {"weights": None}
-    if bits:
-        quantized = quantize_weights(model, bits, weights_block_size)
-        progress(f"weights: {len(quantized)} MatMuls in int{bits}, blocks of {weights_block_size}")
-        precision = {"weights": weights, "block_size": weights_block_size, "quantized": quantized}
+    precision_entry = None
+    if not precision.is_default:
+        precision_entry = apply_precision(model, precision, mixed, calibration, progress)
+        refresh_shapes(model)  # the paged lowering reads ranks
     paged_entry, not_paged = None, "not requested"
     if paged is not None:
         not_paged = lower(model, interface, paged)
@@ -93,23 +91,12 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         "build_options": {"backend": backend, "level": None if passes is not None else str(DEFAULT_LEVEL if level is None else level),
                           "passes": [entry["pass"] for entry in report], "verify": verify},
         "optimization": [{k: entry[k] for k in ("pass", "matches", "nodes_after")} for entry in report],
-        "precision": precision,
+        "precision": precision_entry,
         "paged": paged_entry,
         **({"not_paged": not_paged} if paged_entry is None else {}),
     }
     write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
     return manifest
-
-
-def _weight_bits(weights: str | None, block_size: int) -> int | None:
-    if weights is None:
-        return None
-    if weights not in ("int8", "int4"):
-        raise LlmcError(f"--weights: '{weights}' is not a weight format (int8, int4)")
-    if block_size not in WEIGHT_BLOCK_SIZES:
-        raise LlmcError(f"--weights-block-size: {block_size} is not supported "
-                        f"({', '.join(map(str, WEIGHT_BLOCK_SIZES))})")
-    return int(weights[3:])
 
 
 def _file_hash(path: Path) -> str:

@@ -28,6 +28,7 @@ import onnxruntime as ort
 from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.onnx_io import load_onnx
 from llmc.errors import LlmcError
+from llmc.precision.calibration import prefill_feeds
 from llmc.precision.data import read_documents, windows
 
 
@@ -60,23 +61,10 @@ class ReferenceModel:
         if threads:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self._inputs = {i.name: i for i in self.session.get_inputs()}
         self.vocab_size = self.interface.geometry.vocab_size
 
     def logits(self, token_ids: np.ndarray) -> np.ndarray:
-        ids = np.asarray(token_ids, np.int64)[None]
-        feeds = {}
-        for name, value in self._inputs.items():
-            if name == "input_ids":
-                feeds[name] = ids
-            elif name == "attention_mask":
-                feeds[name] = np.ones_like(ids)
-            elif name == "position_ids":
-                feeds[name] = np.arange(ids.shape[1])[None]
-            else:  # an empty past: [1, kv_heads, 0, head_dim]
-                shape = [1 if i == 0 else 0 if i == 2 else d for i, d in enumerate(value.shape)]
-                feeds[name] = np.zeros(shape, np.float16 if "float16" in value.type else np.float32)
-        return self.session.run(["logits"], feeds)[0][0].astype(np.float32)
+        return self.session.run(["logits"], prefill_feeds(self.session, token_ids))[0][0].astype(np.float32)
 
 
 def check(engine, reference: ReferenceModel, data: str | os.PathLike, *, window: int = 256,

@@ -157,8 +157,9 @@ class PagedDecoder:
             node = segment.attention
             if node is not None:
                 query, key, value, key_cache, value_cache = (values[name] for name in node.input[:5])
-                values[node.output[0]] = self.attention(query, key, value, key_cache, value_cache, layout,
-                                                        attr(node, "scale"))
+                attended = self.attention(query, key, value, key_cache, value_cache, layout, attr(node, "scale"))
+                values[node.output[0]] = attended.astype(query.dtype, copy=False)  # fp16 graphs: the
+                # kernel and the pool work in fp32
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = self._slots(batch)
         for pool, new in stores:

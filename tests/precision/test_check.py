@@ -13,6 +13,7 @@ from llmc.errors import LlmcError
 from llmc.llm import LLM
 from llmc.models.registry import load_model
 from llmc.precision.check import ReferenceModel, check
+from llmc.precision.plan import PrecisionOptions
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n" * 6
 
@@ -27,7 +28,7 @@ def held_out(tmp_path_factory):
 @pytest.fixture(scope="module")
 def int4_engine(tiny_llama_onnx, tmp_path_factory):
     path = tmp_path_factory.mktemp("int4") / "engine.plan"
-    compile_model(tiny_llama_onnx, path, weights="int4")
+    compile_model(tiny_llama_onnx, path, precision=PrecisionOptions(weights="int4"))
     return path
 
 

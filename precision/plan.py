@@ -1,0 +1,173 @@
+"""Which precision each part of the graph gets, from the compile options and a mixed-precision file.
+
+Precisions of a linear layer (precision/linears.py names them):
+
+    fp32           as exported
+    fp16           computed in fp16 (the whole graph with --fp16, islands excepted: precision/fp16.py)
+    int8           static int8 Q/DQ, activations calibrated (needs --int8-calib)
+    int8-weights   weight-only int8 (MatMulNBits)
+    int4           weight-only int4, block-wise (MatMulNBits)
+
+The mixed-precision file is JSON. "default" sets every linear layer; "rules" map a glob over
+layer names (``layers.*.mlp.down``, ``lm_head``) or an op type (``Attention``, ``Gather``) to a
+precision, later rules overriding earlier ones. Op types take fp32 or fp16 only:
+
+    {"default": "int8", "rules": {"lm_head": "fp32", "layers.0.*": "int8-weights", "Attention": "fp16"}}
+
+A rule that names nothing in the model is an error, raised before calibration starts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+
+from llmc.errors import LlmcError
+from llmc.precision.calibration import check_calibrator
+from llmc.precision.data import read_documents, windows
+from llmc.precision.fp16 import convert_to_fp16
+from llmc.precision.int8 import quantize_int8
+from llmc.precision.linears import linear_layers
+from llmc.precision.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, quantize_weights
+
+PRECISIONS = ("fp32", "fp16", "int8", "int8-weights", "int4")
+CALIBRATION_WINDOW = 256
+
+
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """What `llmc compile` was asked for (see the CLI help for each)."""
+
+    fp16: bool = False
+    int8_calib: str | None = None
+    calibrator: str = "minmax"
+    smoothquant: float | None = None
+    calib_tokens: int = 4096
+    weights: str | None = None
+    weights_block_size: int = DEFAULT_BLOCK_SIZE
+    config: str | None = None
+
+    @property
+    def is_default(self) -> bool:
+        return self == PrecisionOptions()
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    default: str | None
+    rules: list[tuple[str, str]]
+    source: str
+
+
+def read_config(path: str | None) -> MixedPrecision | None:
+    """Parse and check a mixed-precision file (values only; names are checked against the model)."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise LlmcError(f"--precision-config: {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise LlmcError(f"{path}: not JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(data, dict) or set(data) - {"default", "rules"}:
+        raise LlmcError(f"{path}: expected an object with \"default\" and/or \"rules\"")
+    rules = data.get("rules", {})
+    if not isinstance(rules, dict):
+        raise LlmcError(f"{path}: \"rules\" must map patterns to precisions")
+    for where, value in [("default", data.get("default", "fp32"))] + list(rules.items()):
+        if value not in PRECISIONS:
+            raise LlmcError(f"{path}: {where}: '{value}' is not a precision ({', '.join(PRECISIONS)})")
+    return MixedPrecision(data.get("default"), list(rules.items()), str(path))
+
+
+def check_options(options: PrecisionOptions) -> MixedPrecision | None:
+    """Everything that can be checked before the model is read."""
+    if options.weights not in (None, "int8", "int4"):
+        raise LlmcError(f"--weights: '{options.weights}' is not a weight format (int8, int4)")
+    if options.weights_block_size not in BLOCK_SIZES:
+        raise LlmcError(f"--weights-block-size: {options.weights_block_size} is not supported "
+                        f"({', '.join(map(str, BLOCK_SIZES))})")
+    if options.smoothquant is not None and not 0.0 < options.smoothquant < 1.0:
+        raise LlmcError(f"--smoothquant: alpha must be between 0 and 1, got {options.smoothquant}")
+    if options.int8_calib is not None and options.weights is not None:
+        raise LlmcError("--int8-calib and --weights both set every linear layer; give one "
+                        "(or a --precision-config to mix them)")
+    if options.calibrator and options.int8_calib is not None:
+        check_calibrator(options.calibrator, 10**9)  # the name; the amount is checked with the data
+    return read_config(options.config)
+
+
+def calibration_windows(options: PrecisionOptions, tokenizer, vocab_size: int, max_positions: int) -> list[np.ndarray]:
+    """Read and cut the calibration data, refusing too little of it for the calibrator."""
+    if options.int8_calib is None:
+        return []
+    documents = read_documents(options.int8_calib, tokenizer, vocab_size, what="--int8-calib")
+    pieces = windows(documents, min(CALIBRATION_WINDOW, max_positions), options.calib_tokens)
+    check_calibrator(options.calibrator, sum(len(p) for p in pieces))
+    return pieces
+
+
+def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: MixedPrecision | None,
+                    calibration: list[np.ndarray],
+                    progress: Callable[[str], None] = lambda message: None) -> dict:
+    """Rewrite the optimized graph in place; returns the manifest's "precision" entry."""
+    linears = linear_layers(model)
+    base = ("int8" if options.int8_calib else {"int8": "int8-weights", "int4": "int4"}.get(options.weights)
+            or ("fp16" if options.fp16 else "fp32"))
+    chosen = {l.name: base for l in linears}
+    op_rules: dict[str, str] = {}
+    if config is not None:
+        if config.default is not None:
+            chosen = {name: config.default for name in chosen}
+        ops = {n.op_type for n in model.graph.node}
+        for pattern, value in config.rules:
+            matched = [name for name in chosen if fnmatch.fnmatchcase(name, pattern)]
+            if matched:
+                chosen.update(dict.fromkeys(matched, value))
+            elif pattern in ops:
+                if value not in ("fp32", "fp16"):
+                    raise LlmcError(f"{config.source}: op type {pattern}: only fp32 or fp16, not {value}")
+                op_rules[pattern] = value
+            else:
+                raise LlmcError(f"{config.source}: '{pattern}' names no layer or op type of this model "
+                                f"(layers: {', '.join(list(chosen)[:3])} … {list(chosen)[-1]})")
+    if "int8" in chosen.values() and not calibration:
+        raise LlmcError("int8 layers need calibration data: give --int8-calib DIR")
+
+    by_name = {l.name: l for l in linears}
+    int8 = [by_name[n] for n, p in chosen.items() if p == "int8"]
+    entry = {"fp16": options.fp16, "linears": chosen}
+    if int8:
+        progress(f"int8: calibrating {len(int8)} linear layers ({options.calibrator}) on "
+                 f"{sum(len(w) for w in calibration)} tokens")
+        quantize_int8(model, int8, calibration, options.calibrator, options.smoothquant, progress)
+        entry.update(calibrator=options.calibrator, smoothquant=options.smoothquant,
+                     calibration_tokens=int(sum(len(w) for w in calibration)))
+    for bits, label in ((8, "int8-weights"), (4, "int4")):
+        nodes = {id(by_name[n].node) for n, p in chosen.items() if p == label}
+        if nodes:
+            quantize_weights(model, bits, options.weights_block_size, select=lambda node: id(node) in nodes)
+            entry["weights_block_size"] = options.weights_block_size
+    wants_half = options.fp16 or "fp16" in chosen.values() or "fp16" in op_rules.values()
+    if wants_half:
+        keep_ops = {op for op, p in op_rules.items() if p == "fp32"}
+        keep_nodes = {_key(by_name[n].node) for n, p in chosen.items() if p != "fp16"}
+        if not options.fp16:  # fp16 only where asked: every other node stays fp32
+            half_ops = {op for op, p in op_rules.items() if p == "fp16"}
+            half_nodes = {_key(by_name[n].node) for n, p in chosen.items() if p == "fp16"}
+            keep_nodes |= {_key(n) for n in model.graph.node if n.op_type not in half_ops and _key(n) not in half_nodes}
+        half_islands = {op for op, p in op_rules.items() if p == "fp16"}
+        halves = convert_to_fp16(model, keep_ops, keep_nodes, half_islands)
+        progress(f"fp16: {halves} nodes compute in fp16")
+        entry["op_rules"] = op_rules
+    return entry
+
+
+def _key(node: onnx.NodeProto) -> str:
+    return node.name or node.output[0]
