@@ -8,7 +8,7 @@ cuts that traffic 4× or 8×; activations stay fp32. onnxruntime's CPU kernel fo
 Symmetric per block: code = round(w / scale) + 2^(bits-1), scale = max|w| / (2^(bits-1) - 1),
 so dequantized w = (code - 2^(bits-1)) · scale — the op's default zero point, which is why no
 zero_points input is written. 4-bit codes are packed two per byte, the lower K index in the low
-nibble.
+nibble. The product itself runs in int8 (`ACCURACY_LEVEL`), as onnxruntime's fast CPU kernels do.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ from llmc.passes.graph import DEFAULT_DOMAINS
 BITS = (4, 8)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 DEFAULT_BLOCK_SIZE = 32
+# onnxruntime computes the product in int8 (activations quantized per block on the fly) at level 4:
+# measured on 8 pairs of 512×1408 layers, one token, 2 threads: fp32 1.33 ms; int4 0.44 ms at
+# level 0 and 0.16 ms at level 4; int8 5.7 ms at level 0 (no fast kernel) and 0.21 ms at level 4.
+ACCURACY_LEVEL = 4
 
 
 def quantize_blocks(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -57,7 +61,8 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                     select: Callable[[onnx.NodeProto], bool] = lambda node: True) -> list[str]:
+                     select: Callable[[onnx.NodeProto], bool] = lambda node: True,
+                     accuracy_level: int = ACCURACY_LEVEL) -> list[str]:
     """Rewrite every selected MatMul by a 2-D float32 initializer; returns the rewritten nodes' names.
 
     Args:
@@ -65,6 +70,7 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
         bits: 4 or 8.
         block_size: weights per scale along K.
         select: which MatMuls to quantize (mixed precision leaves the others alone).
+        accuracy_level: MatMulNBits' compute type: 0 float (exact dequantized product), 4 int8.
     """
     if bits not in BITS:
         raise LlmcError(f"--weights: int{bits} is not supported (int4, int8)")
@@ -94,7 +100,8 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
         node.op_type, node.domain = "MatMulNBits", contrib_ops.DOMAIN
         node.input[:] = [node.input[0], f"{prefix}.B", f"{prefix}.scales"]
         node.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
-                               helper.make_attribute("bits", bits), helper.make_attribute("block_size", block_size)])
+                               helper.make_attribute("bits", bits), helper.make_attribute("block_size", block_size),
+                               helper.make_attribute("accuracy_level", accuracy_level)])
         done.append(node.name or node.output[0])
     kept = [t for t in model.graph.initializer if t.name not in drop]
     del model.graph.initializer[:]

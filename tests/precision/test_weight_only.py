@@ -48,7 +48,7 @@ def _matmul_model(weight):
 def test_onnxruntime_matmulnbits_equals_the_dequantized_matmul(bits):
     weight = RNG.standard_normal((96, 40)).astype(np.float32)
     model = _matmul_model(weight)
-    assert quantize_weights(model, bits, block_size=32) == ["proj"]
+    assert quantize_weights(model, bits, block_size=32, accuracy_level=0) == ["proj"]
     onnx.checker.check_model(model)
     assert [n.op_type for n in model.graph.node] == ["MatMulNBits"]
     assert not any(t.name == "w" for t in model.graph.initializer)  # the fp32 weight is gone
@@ -57,6 +57,19 @@ def test_onnxruntime_matmulnbits_equals_the_dequantized_matmul(bits):
     codes, scales = quantize_blocks(weight, bits, 32)
     expected = a @ dequantize_blocks(codes, scales, bits, 96)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_compute_stays_close_to_the_dequantized_matmul(bits):
+    weight = RNG.standard_normal((96, 40)).astype(np.float32)
+    model = _matmul_model(weight)
+    quantize_weights(model, bits, block_size=32)  # the default: int8 compute
+    a = RNG.standard_normal((1, 5, 96)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    codes, scales = quantize_blocks(weight, bits, 32)
+    expected = a @ dequantize_blocks(codes, scales, bits, 96)
+    # Activations rounded to int8 per block: relative error around 1/127 of each block's range.
+    assert np.abs(got - expected).max() <= 0.02 * np.abs(expected).max()
 
 
 def test_bad_settings_are_refused():

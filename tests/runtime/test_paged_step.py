@@ -75,3 +75,18 @@ def test_only_the_asked_rows_reach_the_vocabulary_projection(tiny_llama_onnx):
     head = next(n for n in model.graph.node if "logits" in n.output)
     rows = next(n for n in model.graph.node if head.input[0] in n.output)
     assert (head.op_type, rows.op_type, list(rows.input)[1]) == ("MatMul", "Gather", "logits_rows")
+
+
+def test_values_computed_from_weights_alone_stay_with_their_readers(tiny_llama_onnx):
+    from llmc.precision.int8 import quantize_int8
+    from llmc.precision.linears import linear_layers
+
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    quantize_int8(model, linear_layers(model), [np.arange(3, 40)], "minmax")
+    LowerPagedAttention(16).run(model)
+    segments = split_at_paged_attention(model)
+    # Each weight's DequantizeLinear runs in the segment of its MatMul: no dequantized weight
+    # crosses a cut (it would be recomputed and copied every step).
+    crossing = [name for s in segments for name in s.outputs if name.endswith(".weight.int8.dq")]
+    assert crossing == []
+    assert sum(n.op_type == "DequantizeLinear" for s in segments for n in s.model.graph.node) >= 2 * 17

@@ -1,0 +1,102 @@
+"""--fp16 islands, mixed-precision files, and the trained model's accuracy within the benchmark's
+bounds (int8 ≤ 1.5 %, int4 weight-only ≤ 5 % perplexity increase)."""
+
+import copy
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import TensorProto
+
+from llmc.compiler.build import compile_model
+from llmc.compiler.export import export
+from llmc.compiler.onnx_io import infer_shapes
+from llmc.compiler.pipeline import optimize
+from llmc.errors import LlmcError
+from llmc.llm import LLM
+from llmc.precision.check import ReferenceModel, check
+from llmc.precision.fp16 import convert_to_fp16, residual_adds
+from llmc.precision.plan import PrecisionOptions, apply_precision, check_options, read_config
+
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+
+def _types(model):
+    typed = infer_shapes(model)
+    return {v.name: v.type.tensor_type.elem_type for v in [*typed.graph.input, *typed.graph.value_info,
+                                                           *typed.graph.output]}
+
+
+def test_fp16_keeps_norms_attention_and_residual_sums_in_fp32(tiny_llama_onnx):
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    residual = residual_adds(model)
+    assert len(residual) == 2 * 4  # before each layer's second norm and the next layer's first / final
+    half = copy.deepcopy(model)
+    assert convert_to_fp16(half) > 0
+    onnx.checker.check_model(half)
+    types = _types(half)
+    for node in half.graph.node:
+        if node.op_type in ("RMSNormalization", "Attention") or (node.name or node.output[0]) in residual:
+            assert all(types.get(i) == TensorProto.FLOAT for i in node.input[:1]), node.name
+        if node.op_type == "MatMul" and node.name != "node_linear_28":  # lm_head writes the output
+            assert types.get(node.input[0]) == TensorProto.FLOAT16, node.name
+    # The interface is unchanged.
+    assert [(i.name, i.type.tensor_type.elem_type) for i in half.graph.input] == \
+        [(i.name, i.type.tensor_type.elem_type) for i in model.graph.input]
+    assert all(o.type.tensor_type.elem_type == TensorProto.FLOAT for o in half.graph.output)
+
+
+def test_mixed_precision_file_assigns_layers_and_refuses_unknown_names(tiny_llama_onnx, tmp_path):
+    config = tmp_path / "mix.json"
+    config.write_text(json.dumps({"default": "int4", "rules": {"lm_head": "fp32", "layers.1.*": "int8-weights"}}))
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    options = PrecisionOptions(config=str(config))
+    entry = apply_precision(model, options, check_options(options), [])
+    assert entry["linears"]["lm_head"] == "fp32" and entry["linears"]["layers.0.qkv"] == "int4"
+    assert entry["linears"]["layers.1.mlp.down"] == "int8-weights"
+    kinds = [next((a.i for a in n.attribute if a.name == "bits"), None) for n in model.graph.node
+             if n.op_type in ("MatMul", "MatMulNBits")]
+    assert sorted(k for k in kinds if k) == [4] * 12 + [8] * 4 and kinds.count(None) == 1
+
+    config.write_text(json.dumps({"rules": {"layers.7.o": "int8"}}))
+    with pytest.raises(LlmcError, match=r"mix.json: 'layers.7.o' names no layer or op type"):
+        apply_precision(copy.deepcopy(model), options, read_config(str(config)), [])
+    config.write_text(json.dumps({"rules": {"lm_head": "int3"}}))
+    with pytest.raises(LlmcError, match=r"lm_head: 'int3' is not a precision"):
+        read_config(str(config))
+    config.write_text("{not json")
+    with pytest.raises(LlmcError, match=r"mix.json: not JSON"):
+        read_config(str(config))
+
+
+def test_conflicting_and_bad_options_are_refused(tiny_llama_onnx, tmp_path):
+    with pytest.raises(LlmcError, match="--int8-calib and --weights"):
+        check_options(PrecisionOptions(int8_calib="x", weights="int4"))
+    with pytest.raises(LlmcError, match="--smoothquant: alpha must be between 0 and 1"):
+        check_options(PrecisionOptions(smoothquant=1.5))
+    config = tmp_path / "mix.json"
+    config.write_text(json.dumps({"default": "int8"}))
+    with pytest.raises(LlmcError, match="int8 layers need calibration data"):
+        apply_precision(onnx.load(tiny_llama_onnx), PrecisionOptions(config=str(config)), read_config(str(config)), [])
+
+
+@pytest.fixture(scope="module")
+def trained_onnx(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pystdlib") / "model.onnx"
+    export(str(DATA / "pystdlib-llama"), path)
+    return path
+
+
+@pytest.mark.parametrize("name, options, bound", [
+    ("int8-percentile", PrecisionOptions(int8_calib=str(DATA / "pystdlib-text" / "calib"), calibrator="percentile",
+                                         calib_tokens=1024), 1.5),
+    ("int4-weights", PrecisionOptions(weights="int4"), 5.0),
+])
+def test_trained_model_perplexity_increase_within_the_benchmark_bound(trained_onnx, tmp_path, name, options, bound):
+    engine = tmp_path / f"{name}.plan"
+    compile_model(trained_onnx, engine, precision=options)
+    report = check(LLM(engine), ReferenceModel(trained_onnx), DATA / "pystdlib-text" / "heldout", max_tokens=1024)
+    assert report.reference_ppl < 200  # the model learned something: a uniform guess is 2,048
+    assert 0.0 < report.mean_kl and report.top1_agreement < 1.0  # quantization did change it
+    assert report.ppl_increase_pct <= bound
