@@ -353,3 +353,54 @@ def check(engine_path, reference, data, window, max_tokens, generate, max_ppl_in
         click.echo(f"llmc: check failed: perplexity +{report.ppl_increase_pct:.3f}% exceeds "
                    f"--max-ppl-increase {max_ppl_increase}%", err=True)
         sys.exit(1)
+
+
+@main.command()
+@click.argument("onnx_file", type=click.Path(dir_okay=False))
+@click.option("--int8-calib", required=True, type=click.Path(), help="Calibration folder (.txt/.jsonl/.npy/.npz).")
+@click.option("--data", type=click.Path(), help="Evaluation folder (default: the calibration folder).")
+@click.option("--precision", "target", default="int8", show_default=True, help="int8, int8-weights or int4.")
+@click.option("--calibrator", default="minmax", show_default=True, help="minmax, percentile or entropy.")
+@click.option("--tokens", default=1024, show_default=True, type=int, help="Tokens of each folder used at most.")
+@click.option("--accuracy-budget", type=float, default=None,
+              help="Largest perplexity increase (percent): spare the most sensitive layers until it holds.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the mixed-precision file here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accuracy_budget, output, as_json):
+    """Rank linear layers by the error quantizing each alone causes; fit an accuracy budget."""
+    from llmc.compiler.build import find_tokenizer
+    from llmc.compiler.decoder_interface import recognize_decoder
+    from llmc.compiler.onnx_io import load_onnx, validate, write_text_atomic
+    from llmc.compiler.pipeline import optimize
+    from llmc.precision.calibration import check_calibrator
+    from llmc.precision.data import read_documents, windows
+    from llmc.precision.sensitivity import TARGETS, analyze
+
+    if target not in TARGETS:
+        raise LlmcError(f"--precision: '{target}' is not one of {', '.join(TARGETS)}")
+    path = Path(_existing(onnx_file))
+    model = load_onnx(path)
+    validate(model, path)
+    geometry = recognize_decoder(model, path).geometry
+    tokenizer = find_tokenizer(model, path, None)
+    length = min(256, geometry.max_positions)
+    calibration = windows(read_documents(int8_calib, tokenizer, geometry.vocab_size, "--int8-calib"), length, tokens)
+    check_calibrator(calibrator, sum(len(w) for w in calibration))
+    evaluation = calibration if data is None else windows(
+        read_documents(data, tokenizer, geometry.vocab_size, "--data"), length, tokens)
+    _progress(f"optimizing {len(model.graph.node)} nodes")
+    model, _ = optimize(model)
+    result = analyze(model, target, calibration, evaluation, calibrator=calibrator, budget_pct=accuracy_budget,
+                     progress=_progress)
+    if output:
+        write_text_atomic(output, json.dumps(result.config, indent=2) + "\n")
+    if as_json:
+        click.echo(json.dumps({"target": target, "ranking": result.ranking, "kept_fp32": result.kept_fp32,
+                               "ppl_fp32": result.ppl_fp32, "ppl_quantized": result.ppl_quantized,
+                               "ppl_increase_pct": result.ppl_increase_pct, "config": result.config}))
+        return
+    click.echo(f"{'layer':<24} mean KL when only it is {target}")
+    click.echo("\n".join(f"{name:<24} {kl:.3e}" for name, kl in result.ranking))
+    kept = f", {len(result.kept_fp32)} kept in fp32 ({', '.join(result.kept_fp32)})" if result.kept_fp32 else ""
+    click.echo(f"all {target}{kept}: perplexity {result.ppl_fp32:.4f} → {result.ppl_quantized:.4f} "
+               f"({result.ppl_increase_pct:+.3f}%)" + (f"; wrote {output}" if output else ""))

@@ -60,7 +60,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     model = load_onnx(onnx_path)
     validate(model, onnx_path)
     interface = recognize_decoder(model, onnx_path)
-    tok = _find_tokenizer(model, onnx_path, tokenizer)
+    tok = find_tokenizer(model, onnx_path, tokenizer)
     if tok.vocab_size > interface.geometry.vocab_size:
         raise LlmcError(f"tokenizer: {tok.vocab_size} tokens do not fit the model's vocabulary of "
                         f"{interface.geometry.vocab_size}")
@@ -110,7 +110,7 @@ def _file_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _find_tokenizer(model: onnx.ModelProto, source: Path, explicit: str | os.PathLike | None) -> Tokenizer:
+def find_tokenizer(model: onnx.ModelProto, source: Path, explicit: str | os.PathLike | None) -> Tokenizer:
     if explicit is not None:
         path = Path(explicit)
         folder = path if path.is_dir() else path.parent

@@ -35,3 +35,13 @@ def tiny_llama_engine(tiny_llama_onnx) -> Path:
     path = tiny_llama_onnx.parent / "engine.plan"
     compile_model(tiny_llama_onnx, path)
     return path
+
+
+@pytest.fixture(scope="session")
+def trained_onnx(tmp_path_factory) -> Path:
+    """The committed model trained on the standard library (data/pystdlib-llama), exported."""
+    from llmc.compiler.export import export
+
+    path = tmp_path_factory.mktemp("pystdlib") / "model.onnx"
+    export(str(Path(__file__).resolve().parents[1] / "data" / "pystdlib-llama"), path)
+    return path

@@ -10,7 +10,6 @@ import pytest
 from onnx import TensorProto
 
 from llmc.compiler.build import compile_model
-from llmc.compiler.export import export
 from llmc.compiler.onnx_io import infer_shapes
 from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError
@@ -79,13 +78,6 @@ def test_conflicting_and_bad_options_are_refused(tiny_llama_onnx, tmp_path):
     config.write_text(json.dumps({"default": "int8"}))
     with pytest.raises(LlmcError, match="int8 layers need calibration data"):
         apply_precision(onnx.load(tiny_llama_onnx), PrecisionOptions(config=str(config)), read_config(str(config)), [])
-
-
-@pytest.fixture(scope="module")
-def trained_onnx(tmp_path_factory):
-    path = tmp_path_factory.mktemp("pystdlib") / "model.onnx"
-    export(str(DATA / "pystdlib-llama"), path)
-    return path
 
 
 @pytest.mark.parametrize("name, options, bound", [
