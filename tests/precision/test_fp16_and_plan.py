@@ -92,3 +92,24 @@ def test_trained_model_perplexity_increase_within_the_benchmark_bound(trained_on
     assert report.reference_ppl < 200  # the model learned something: a uniform guess is 2,048
     assert 0.0 < report.mean_kl and report.top1_agreement < 1.0  # quantization did change it
     assert report.ppl_increase_pct <= bound
+
+
+def test_compile_refuses_bad_calibration_input_and_leaves_no_engine(tiny_llama_onnx, tmp_path):
+    import subprocess
+
+    engine = tmp_path / "engine.plan"
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "a.txt").write_bytes(b"caf\xe9 " * 100)
+    (tmp_path / "short").mkdir()
+    (tmp_path / "short" / "a.txt").write_text("x = 1\n")
+    mix = tmp_path / "mix.json"
+    mix.write_text(json.dumps({"rules": {"layers.12.o": "int4"}}))
+    cases = [(["--int8-calib", str(tmp_path / "missing")], "is not a folder"),
+             (["--int8-calib", str(tmp_path / "latin1")], "a.txt: cannot be read"),
+             (["--int8-calib", str(tmp_path / "short"), "--calibrator", "entropy"], "needs at least 512"),
+             (["--weights", "int4", "--precision-config", str(mix)], "'layers.12.o' names no layer")]
+    for extra, message in cases:
+        done = subprocess.run(["llmc", "compile", str(tiny_llama_onnx), "-o", str(engine), *extra],
+                              capture_output=True, text=True)
+        assert done.returncode == 2 and message in done.stderr, (extra, done.stderr)
+        assert not engine.exists() and not list(tmp_path.glob("engine.plan*"))
