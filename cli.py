@@ -90,9 +90,9 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--paged/--no-paged", default=True, show_default=True,
               help="KV cache in blocks of one pool (llmc::paged_attention) or contiguous past/present.")
 @click.option("--block-size", default=None, type=int, help="Tokens per KV block (default 16, by measurement).")
-@click.option("--max-batch", default=16, show_default=True, type=int, help="Sequences per step.")
+@click.option("--max-batch", default=64, show_default=True, type=int, help="Sequences per step (seats).")
 @click.option("--max-seq-len", default=None, type=int, help="Longest sequence (default: the model's positions).")
-@click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: max-batch full sequences).")
+@click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: 16 full-length sequences).")
 @click.option("--fp16", is_flag=True, help="Compute in fp16, with fp32 norms, attention and residual sums.")
 @click.option("--int8-calib", type=click.Path(), help="Static int8 (Q/DQ) for linear layers, calibrated on "
               "this folder's .txt/.jsonl/.npy/.npz.")
