@@ -8,7 +8,7 @@ outputs of 16-128 tokens (uniform, seeded), all at t=0; exact output lengths (EO
 Useful output = the requested tokens; tokens a system generates past a request's own length
 (padding to the batch's longest) are waste, not output.
 
-  llmc            `llmc export` + `llmc compile` (default paged options), Engine offline:
+  llmc            `llmc export` + `llmc compile` (default paged options: 64 seats), Engine offline:
                   continuous batching, chunked prefill (runtime/bench.py drives it)
   hf-static       transformers `generate`, batches of 16 in arrival order, left padding, greedy,
                   max_new_tokens = min_new_tokens = the batch's longest requested output
@@ -55,7 +55,7 @@ from llmc.runtime.bench import BenchRequest, WorkloadSpec, make_workload, run_wo
 SPEC = ModelSpec(max_positions=4096)
 # Goals of issue 5.
 GOALS = {"vs_hf_static": 3.0, "vs_genai": 2.0, "ttft_interference": 2.0, "kv_utilization": 0.96}
-GROUP = 16  # static batch size of hf-static and genai; also the engine's default max batch
+GROUP = 16  # static batch size of hf-static and genai (the engine runs its default 64 seats)
 # A second, wider setting for both continuous and static batching: llmc with this many seats
 # (same engine, same pool) against genai in groups of this many.
 WIDE = 32  # onnxruntime-genai refuses batches over 32 ("batch_size (64) must be in [1, 32]")
