@@ -41,11 +41,11 @@ class TensorStats:
     histogram: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
 
 
-def check_calibrator(calibrator: str, tokens: int) -> None:
+def check_calibrator(calibrator: str, tokens: int | None = None) -> None:
     """Refuse an unknown calibrator, or too little data for it (before any long work)."""
     if calibrator not in CALIBRATORS:
         raise LlmcError(f"--calibrator: '{calibrator}' is not one of {', '.join(CALIBRATORS)}")
-    if tokens < MIN_TOKENS[calibrator]:
+    if tokens is not None and tokens < MIN_TOKENS[calibrator]:
         raise LlmcError(f"--int8-calib: {tokens} tokens of calibration data; the {calibrator} calibrator "
                         f"needs at least {MIN_TOKENS[calibrator]}")
 

@@ -36,7 +36,7 @@ def residual_adds(model: onnx.ModelProto) -> set[str]:
     for node in model.graph.node:
         for i in node.input:
             consumers.setdefault(i, []).append(node)
-    return {_key(n) for n in model.graph.node if n.op_type == "Add"
+    return {node_key(n) for n in model.graph.node if n.op_type == "Add"
             and any(c.op_type in _NORMS for c in consumers.get(n.output[0], []))}
 
 
@@ -60,7 +60,7 @@ def convert_to_fp16(model: onnx.ModelProto, keep_fp32_ops: set[str] = frozenset(
     fp32 = (ISLANDS - set(half_islands)) | _OWN_TYPES | set(keep_fp32_ops)
     keep = residual_adds(model) | set(keep_fp32_nodes)
     graph_outputs = {o.name for o in model.graph.output}
-    half = [n for n in model.graph.node if n.op_type not in fp32 and _key(n) not in keep
+    half = [n for n in model.graph.node if n.op_type not in fp32 and node_key(n) not in keep
             and not dequantized & set(n.input) and any(elem.get(i) == TensorProto.FLOAT for i in n.input)]
     half_ids = {id(n) for n in half}
     readers: dict[str, list[onnx.NodeProto]] = {}
@@ -110,5 +110,6 @@ def convert_to_fp16(model: onnx.ModelProto, keep_fp32_ops: set[str] = frozenset(
     return len(half)
 
 
-def _key(node: onnx.NodeProto) -> str:
+def node_key(node: onnx.NodeProto) -> str:
+    """How mixed precision names a node: its name, or its first output when it has none."""
     return node.name or node.output[0]

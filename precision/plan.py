@@ -31,7 +31,7 @@ import onnx
 from llmc.errors import LlmcError
 from llmc.precision.calibration import check_calibrator
 from llmc.precision.data import read_documents, windows
-from llmc.precision.fp16 import convert_to_fp16
+from llmc.precision.fp16 import convert_to_fp16, node_key
 from llmc.precision.int8 import quantize_int8
 from llmc.precision.linears import linear_layers
 from llmc.precision.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, quantize_weights
@@ -98,8 +98,8 @@ def check_options(options: PrecisionOptions) -> MixedPrecision | None:
     if options.int8_calib is not None and options.weights is not None:
         raise LlmcError("--int8-calib and --weights both set every linear layer; give one "
                         "(or a --precision-config to mix them)")
-    if options.calibrator and options.int8_calib is not None:
-        check_calibrator(options.calibrator, 10**9)  # the name; the amount is checked with the data
+    if options.int8_calib is not None:
+        check_calibrator(options.calibrator)  # the amount is checked with the data
     return read_config(options.config)
 
 
@@ -157,17 +157,14 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
     wants_half = options.fp16 or "fp16" in chosen.values() or "fp16" in op_rules.values()
     if wants_half:
         keep_ops = {op for op, p in op_rules.items() if p == "fp32"}
-        keep_nodes = {_key(by_name[n].node) for n, p in chosen.items() if p != "fp16"}
+        keep_nodes = {node_key(by_name[n].node) for n, p in chosen.items() if p != "fp16"}
         if not options.fp16:  # fp16 only where asked: every other node stays fp32
             half_ops = {op for op, p in op_rules.items() if p == "fp16"}
-            half_nodes = {_key(by_name[n].node) for n, p in chosen.items() if p == "fp16"}
-            keep_nodes |= {_key(n) for n in model.graph.node if n.op_type not in half_ops and _key(n) not in half_nodes}
+            half_nodes = {node_key(by_name[n].node) for n, p in chosen.items() if p == "fp16"}
+            keep_nodes |= {node_key(n) for n in model.graph.node if n.op_type not in half_ops and node_key(n) not in half_nodes}
         half_islands = {op for op, p in op_rules.items() if p == "fp16"}
         halves = convert_to_fp16(model, keep_ops, keep_nodes, half_islands)
         progress(f"fp16: {halves} nodes compute in fp16")
         entry["op_rules"] = op_rules
     return entry
 
-
-def _key(node: onnx.NodeProto) -> str:
-    return node.name or node.output[0]
