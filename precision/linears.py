@@ -43,6 +43,7 @@ def linear_layers(model: onnx.ModelProto) -> list[Linear]:
     for n in graph.node:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
+    outputs = {o.name for o in graph.output}
     depth: dict[str, int] = {}  # attentions on the way to each value
     for n in graph.node:
         d = max((depth.get(i, 0) for i in n.input if i), default=0)
@@ -57,7 +58,7 @@ def linear_layers(model: onnx.ModelProto) -> list[Linear]:
         for _ in range(_HOPS):
             nxt = []
             for value in frontier:
-                if value in {o.name for o in graph.output} and stop == "output":
+                if value in outputs and stop == "output":
                     return value
                 for c in consumers.get(value, []):
                     if id(c) in seen or c.op_type == "MatMul":
