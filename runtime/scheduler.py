@@ -3,7 +3,8 @@
 Every step packs, under a token budget and a cap on sequences:
   1. running requests that decode (one token each) — first, so a long prompt never freezes them;
   2. waiting requests, admitted in FIFO or priority order while seats, budget and KV blocks last;
-  3. running requests still in prefill, shortest remaining prompt first, one chunk each
+  3. running requests still in prefill (except in a step that admitted new ones, which they sit
+     out, never two in a row), shortest remaining prompt first, one chunk each
      (chunked prefill) with what budget is left; beside other requests, a chunk deep in a long
      prompt shrinks as its context grows, so that such steps stay short too.
 When a running request needs a block for its next token and the pool is empty, the scheduler
@@ -127,6 +128,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self.copies: list[tuple[int, int]] = []  # block copies the next step must perform first
+        self._deferred: set[str] = set()  # prompts in prefill that sat out the last step
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -155,7 +157,7 @@ class Scheduler:
         prefill = self.config.max_prefill_tokens or budget
         self.copies = []
         chunks: list[Chunk] = []
-        preempted = False
+        preempted, admitted, deferred = False, [], set()
         # Decodes first, then newly admitted prompts, then the chunks of prompts already in
         # prefill: a long prompt is processed in pieces with what budget is left, while short
         # requests keep decoding and new ones get their first token without waiting for it.
@@ -166,6 +168,11 @@ class Scheduler:
             for request in list(order):
                 if request not in self.running or (self._remaining(request) == 1) != decoding \
                         or any(c.request is request for c in chunks):
+                    continue
+                if not decoding and admitted and request.request_id not in self._deferred:
+                    # A step that starts new prompts stays short, so their first tokens come
+                    # soon; a prompt in prefill sits out such a step, but never two in a row.
+                    deferred.add(request.request_id)
                     continue
                 if not self._make_room(request):
                     preempted = True
@@ -183,6 +190,7 @@ class Scheduler:
                 chunks += admitted
                 budget -= sum(c.count for c in admitted)
                 prefill -= sum(c.count for c in admitted)
+        self._deferred = deferred
         return chunks
 
     def _chunk(self, request: Request, prefill: int) -> int:

@@ -139,8 +139,13 @@ def test_new_requests_are_admitted_before_a_running_prefill_continues():
     blocks.mark_computed("long", 64)
     scheduler.add(Request("short", [1, 2, 3], SamplingParams(), arrival=1.0))
     second = scheduler.schedule(now=1.0)
-    # The newcomer's whole prompt goes first; the long prompt continues with the rest.
-    assert [(c.request.request_id, c.count) for c in second] == [("short", 3), ("long", 61)]
+    # The newcomer's whole prompt runs at once; the long prompt sits this step out...
+    assert [(c.request.request_id, c.count) for c in second] == [("short", 3)]
+    _advance(scheduler, blocks, second)
+    scheduler.add(Request("other", [4, 5], SamplingParams(), arrival=2.0))
+    # ...but never two in a row: with another newcomer, it continues with what is left.
+    third = scheduler.schedule(now=2.0)
+    assert [(c.request.request_id, c.count) for c in third] == [("other", 2), ("long", 62)]
 
 
 def test_prompt_tokens_per_step_are_capped_and_newcomers_take_them_first():
@@ -152,7 +157,7 @@ def test_prompt_tokens_per_step_are_capped_and_newcomers_take_them_first():
     assert [(c.request.request_id, c.count) for c in first] == [("a", 100)]  # b waits for the cap
     scheduler.add(Request("c", list(range(1, 31)), SamplingParams(), arrival=2.0))
     second = scheduler.schedule(now=2.0)
-    assert [(c.request.request_id, c.count) for c in second] == [("b", 50), ("c", 30), ("a", 20)]
+    assert [(c.request.request_id, c.count) for c in second] == [("b", 50), ("c", 30)]
     with pytest.raises(LlmcError, match="max_prefill_tokens must be ≥ 1"):
         SchedulerConfig(max_prefill_tokens=0)
 
