@@ -19,7 +19,6 @@ compiled with `--level 0` so both go through the same engine path.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import sys
