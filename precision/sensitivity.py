@@ -23,6 +23,7 @@ import onnxruntime as ort
 from llmc.compiler.onnx_io import serialize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import observe, prefill_feeds, threshold
+from llmc.precision.check import kl_divergence, log_softmax
 from llmc.precision.int8 import write_qdq
 from llmc.precision.linears import linear_layers
 from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE, quantize_weights
@@ -50,9 +51,7 @@ class _Evaluator:
         session = ort.InferenceSession(serialize(model)["model.onnx"], options, providers=["CPUExecutionProvider"])
         out = []
         for w in self.windows:
-            logits = session.run(["logits"], prefill_feeds(session, w))[0][0, :-1].astype(np.float64)
-            logits -= logits.max(-1, keepdims=True)
-            out.append(logits - np.log(np.exp(logits).sum(-1, keepdims=True)))
+            out.append(log_softmax(session.run(["logits"], prefill_feeds(session, w))[0][0, :-1]))
         return out
 
     def perplexity(self, log_probs: list[np.ndarray]) -> float:
@@ -92,7 +91,7 @@ def analyze(model: onnx.ModelProto, target: str, calibration: list[np.ndarray], 
     for index, layer in enumerate(linears):
         progress(f"sensitivity: {layer.name} ({index + 1}/{len(linears)})")
         trial = evaluator.log_probs(quantized({layer.name}))
-        kl = np.mean([(np.exp(r) * (r - t)).sum(-1).mean() for r, t in zip(reference, trial)])
+        kl = np.mean([kl_divergence(r, t).mean() for r, t in zip(reference, trial)])
         scores.append((layer.name, float(kl)))
     ranking = sorted(scores, key=lambda item: -item[1])
 

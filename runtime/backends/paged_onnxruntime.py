@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import helper
 
 from llmc.compiler.decoder_interface import Geometry
@@ -26,7 +25,7 @@ from llmc.compiler.onnx_io import infer_shapes, load_model_files, serialize
 from llmc.errors import LlmcError
 from llmc.passes.graph import attr
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch
-from llmc.plugins.paged_attention_cpu import CpuPagedAttention, store
+from llmc.plugins.paged_attention_cpu import CpuPagedAttention, session_options, store
 from llmc.plugins.paged_attention_onnx import register
 from llmc.runtime.backends.onnxruntime import open_session
 
@@ -143,13 +142,7 @@ class PagedDecoder:
                  max_seq_len: int | None = None, threads: int | None = None):
         self.geometry, self.block_size = geometry, block_size
         self.max_seq_len = max_seq_len or geometry.max_positions
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
-        # Between segments the attention kernel's threads work; onnxruntime's must not spin then
-        # (measured: a 16-sequence decode step took 141 ms with spinning on, 11 ms off).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options = session_options(threads)
         self._unpacked = tempfile.TemporaryDirectory(prefix="llmc-engine-")
         self.segments = split_at_paged_attention(model)
         self._sessions = [seg.model and open_session(serialize(seg.model), self._unpacked.name, options)
