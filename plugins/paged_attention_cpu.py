@@ -67,6 +67,7 @@ class CpuPagedAttention:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.threads = block_size, threads
         self._dense: dict[float, ort.InferenceSession] = {}  # by scale
+        self._kernel = None  # _attend for this block size, once compiled
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
@@ -90,12 +91,18 @@ class CpuPagedAttention:
         """[tokens, heads, head_dim] attention of the packed tokens (inputs as in the op's contract,
         float32, already checked)."""
         scale = self.head_dim ** -0.5 if scale is None else float(scale)
-        query, key, value = (np.ascontiguousarray(a, np.float32) for a in (query, key, value))
+        query, key, value, key_cache, value_cache = (np.ascontiguousarray(a, np.float32) for a in (
+            query, key, value, key_cache, value_cache))
         output = np.empty(query.shape, np.float32)
         if len(layout.items):
             b = layout.batch
-            _attend(query, key, value, key_cache, value_cache, b.block_tables, b.context_lens,
-                    b.query_start_loc, layout.items, np.float32(scale), output)
+            args = (query, key, value, key_cache, value_cache, b.block_tables, b.context_lens,
+                    b.query_start_loc, layout.items, np.float32(scale), output, self.block_size)
+            if self._kernel is None:
+                _attend(*args)  # compiles, or loads from the disk cache, this block size's kernel
+                self._kernel = compiled_entry_point(_attend, self.block_size)
+            else:
+                self._kernel(*args)
         for rows, feeds in layout.dense:
             (output[rows],) = self._dense_session(scale).run(None, {
                 "query": query[rows], "key": key[rows], "value": value[rows],
@@ -124,6 +131,17 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return options
 
 
+def compiled_entry_point(kernel, block_size: int):
+    """The compiled `kernel` specialized for a literal `block_size` (its last argument), called
+    without Numba's dispatcher: for a literal argument, the dispatcher retypes every call (measured
+    95 ms a call). The entry point does no type checks: callers pass C-contiguous arrays of the
+    types of the first call."""
+    for signature, compiled in kernel.overloads.items():
+        if getattr(signature[-1], "literal_value", None) == block_size:
+            return compiled.entry_point
+    raise LookupError(f"no compiled {kernel.__name__} for block size {block_size}")
+
+
 def work_items(query_start_loc: np.ndarray, kv_heads: int, sequences: np.ndarray) -> np.ndarray:
     """[items, 4] int64 rows (sequence, first token, end token, kv head) for the given sequences."""
     rows = []
@@ -136,13 +154,16 @@ def work_items(query_start_loc: np.ndarray, kv_heads: int, sequences: np.ndarray
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _attend(query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-            items, scale, output):  # pragma: no cover — compiled; tested through paged_attention_cpu
+            items, scale, output, block_size):  # pragma: no cover — compiled; tested through paged_attention_cpu
+    # A compile-time block size lets LLVM unroll the loops over a block's keys: the P·V update
+    # then keeps a row's accumulator in registers for a whole block (measured 1.2-1.6x per call).
+    block_size = numba.literally(block_size)
     heads, head_dim = query.shape[1], query.shape[2]
     group = heads // key.shape[1]
-    block_size = key_cache.shape[2]
     for item in numba.prange(items.shape[0]):
         s, first, end, kv_head = items[item, 0], items[item, 1], items[item, 2], items[item, 3]
         past, start = context_lens[s], query_start_loc[s]
+        full = past // block_size  # whole past blocks; the rest of the past is in block `full`
         rows = (end - first) * group
         keys = past + end - start  # keys visible to the tile's last token
         q = np.empty((rows, head_dim), np.float32)
@@ -152,44 +173,72 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                     q[(t - first) * group + g, d] = query[t, kv_head * group + g, d] * scale
         scores = np.empty((rows, keys), np.float32)
         # Past keys block by block, straight from the pool; then the step's own new keys.
-        for j0 in range(0, past, block_size):
-            blk = block_tables[s, j0 // block_size]
-            kb = key_cache[blk, kv_head]
-            for o in range(min(block_size, past - j0)):
-                for r in range(rows):
+        for b in range(full):
+            kb = key_cache[block_tables[s, b], kv_head]
+            for r in range(rows):
+                for o in range(block_size):
                     acc = np.float32(0.0)
                     for d in range(head_dim):
                         acc += q[r, d] * kb[o, d]
-                    scores[r, j0 + o] = acc
+                    scores[r, b * block_size + o] = acc
+        if full * block_size < past:
+            kb = key_cache[block_tables[s, full], kv_head]
+            for r in range(rows):
+                for o in range(past - full * block_size):
+                    acc = np.float32(0.0)
+                    for d in range(head_dim):
+                        acc += q[r, d] * kb[o, d]
+                    scores[r, full * block_size + o] = acc
         for i in range(end - start):
             for r in range(rows):
                 acc = np.float32(0.0)
                 for d in range(head_dim):
                     acc += q[r, d] * key[start + i, kv_head, d]
                 scores[r, past + i] = acc
-        # Softmax over each row's visible keys: its sequence's past and its new tokens up to itself.
+        # Softmax over each row's visible keys (its sequence's past and its new tokens up to
+        # itself), left unnormalized: the output rows are divided by the sums at the end.
+        totals = np.empty(rows, np.float32)
+        bits = np.empty(keys, np.int32)
+        powers = bits.view(np.float32)
         for r in range(rows):
             visible = past + first + r // group - start + 1
             top = scores[r, 0]
             for j in range(1, visible):
-                top = max(top, scores[r, j])
+                if scores[r, j] > top:
+                    top = scores[r, j]
+            # exp(x - top) = 2^y for y = (x - top)·log2(e): 2^floor(y) built from its exponent
+            # bits, 2^(y - floor(y)) by a degree-5 polynomial (relative error 2e-7). Unlike
+            # np.exp, this vectorizes.
+            for j in range(visible):
+                y = max((scores[r, j] - top) * np.float32(1.4426950408889634), np.float32(-126.0))
+                whole = np.floor(y)
+                f = y - whole
+                scores[r, j] = ((((np.float32(0.0018951073) * f + np.float32(0.0089462148)) * f
+                                  + np.float32(0.0558632836)) * f + np.float32(0.2401407659)) * f
+                                + np.float32(0.6931546330)) * f + np.float32(0.9999998808)
+                bits[j] = (np.int32(whole) + 127) << 23
             total = np.float32(0.0)
             for j in range(visible):
-                e = np.exp(scores[r, j] - top)
+                e = scores[r, j] * powers[j]
                 scores[r, j] = e
                 total += e
-            inv = np.float32(1.0) / total
-            for j in range(visible):
-                scores[r, j] *= inv
+            totals[r] = total
             for j in range(visible, keys):
                 scores[r, j] = 0.0
         attended = np.zeros((rows, head_dim), np.float32)
-        for j0 in range(0, past, block_size):
-            blk = block_tables[s, j0 // block_size]
-            vb = value_cache[blk, kv_head]
+        for b in range(full):
+            vb = value_cache[block_tables[s, b], kv_head]
             for r in range(rows):
-                for o in range(min(block_size, past - j0)):
-                    p = scores[r, j0 + o]
+                for d in range(head_dim):
+                    acc = attended[r, d]
+                    for o in range(block_size):
+                        acc += scores[r, b * block_size + o] * vb[o, d]
+                    attended[r, d] = acc
+        if full * block_size < past:
+            vb = value_cache[block_tables[s, full], kv_head]
+            for r in range(rows):
+                for o in range(past - full * block_size):
+                    p = scores[r, full * block_size + o]
                     for d in range(head_dim):
                         attended[r, d] += p * vb[o, d]
         for i in range(end - start):
@@ -199,8 +248,10 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                     attended[r, d] += p * value[start + i, kv_head, d]
         for t in range(first, end):
             for g in range(group):
+                r = (t - first) * group + g
+                inv = np.float32(1.0) / totals[r]
                 for d in range(head_dim):
-                    output[t, kv_head * group + g, d] = attended[(t - first) * group + g, d]
+                    output[t, kv_head * group + g, d] = attended[r, d] * inv
 
 
 @numba.njit(cache=True, nogil=True)
