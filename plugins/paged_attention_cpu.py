@@ -20,7 +20,6 @@ bench/RESULTS.md): 16 decodes at 400 past tokens, kernel 0.55 ms vs dense form 2
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numba
@@ -33,10 +32,6 @@ from numba.extending import intrinsic
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.plugins.paged_attention_onnx import plan_step, standalone_model
 
-# The kernel's OpenMP threads must sleep as soon as it returns: left spinning (libgomp's default)
-# they hold the cores while the onnxruntime segment after it runs. Measured on the serving
-# benchmark: 5.8 s instead of 7.2 s. libgomp reads this when the kernel first runs.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # New tokens per kernel work item: enough rows to reuse each loaded key, few enough that a step
 # still splits into at least as many items as there are cores.
 QUERY_TILE = 16
