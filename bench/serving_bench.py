@@ -13,6 +13,8 @@ Useful output = the requested tokens; tokens a system generates past a request's
   hf-static       transformers `generate`, batches of 16 in arrival order, left padding, greedy,
                   max_new_tokens = min_new_tokens = the batch's longest requested output
   hf-single       transformers `generate`, one request at a time
+                  (both hf runs: bench/hf_baseline.py in a process of their own, with torch's
+                  default OpenMP settings)
   genai           onnxruntime-genai (og.Model/og.Generator over its model builder's output),
                   groups of 16 in arrival order run to completion, left padding, greedy
   llmc-32, genai-32  the same with 32 seats (same engine and pool) and groups of 32: whether
@@ -47,6 +49,7 @@ import numpy as np
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
+import hf_baseline  # noqa: E402
 from optimize_bench import (DEFAULT_WORK_DIR, ModelSpec, _cpu_name, _git_state, _versions,  # noqa: E402
                             ensure_checkpoint, log)
 
@@ -170,58 +173,16 @@ def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seat
     return summary
 
 
-def _finish(name: str, useful: int, generated: int, seconds: float, **extra) -> dict[str, Any]:
-    log(f"{name}: {useful} useful tokens ({generated} generated) in {seconds:.1f} s → {useful / seconds:.1f} tok/s")
-    return {"useful_tokens": useful, "generated_tokens": generated, "seconds": round(seconds, 3),
-            "throughput_tok_s": round(useful / seconds, 2), **extra}
-
-
-def load_hf(checkpoint: Path, threads: int):
-    import torch
-    import transformers
-
-    torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    return model
-
-
-def _hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int):
-    import torch
-
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
-    return out.shape[1] - width
-
-
-def run_hf_static(model, workload: list[BenchRequest], pad: int) -> dict[str, Any]:
-    _hf_generate(model, [workload[0].prompt[:16]], 4, pad)  # warm-up
-    start, generated = time.perf_counter(), 0
-    for first in range(0, len(workload), GROUP):
-        group = workload[first:first + GROUP]
-        longest = max(r.output_len for r in group)
-        made = _hf_generate(model, [r.prompt for r in group], longest, pad)
-        if made != longest:
-            raise RuntimeError(f"hf-static: generate made {made} tokens, asked for {longest}")
-        generated += longest * len(group)
-        log(f"  hf-static: batch {first // GROUP + 1}: {len(group)} × {longest} tokens")
-    useful = sum(r.output_len for r in workload)
-    return _finish("hf-static", useful, generated, time.perf_counter() - start, batch=GROUP)
-
-
-def run_hf_single(model, workload: list[BenchRequest], pad: int) -> dict[str, Any]:
-    start = time.perf_counter()
-    for index, request in enumerate(workload):
-        made = _hf_generate(model, [request.prompt], request.output_len, pad)
-        if made != request.output_len:
-            raise RuntimeError(f"hf-single: generate made {made} tokens, asked for {request.output_len}")
-        if index % 8 == 7:
-            log(f"  hf-single: {index + 1} requests")
-    useful = sum(r.output_len for r in workload)
-    return _finish("hf-single", useful, useful, time.perf_counter() - start, requests=len(workload))
+def in_fresh_process(run: str, **arguments) -> dict[str, Any]:
+    """hf_baseline's `run`(**arguments) in a new interpreter that has not imported llmc: llmc sets
+    OpenMP's wait policy to passive when imported (see llmc/__init__.py), which slowed
+    transformers' generate by about 12% here; the baselines run with libgomp's defaults."""
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    done = subprocess.run([sys.executable, str(BENCH_DIR / "hf_baseline.py")], env=environment, text=True,
+                          input=json.dumps({"run": run, **arguments}), stdout=subprocess.PIPE)
+    if done.returncode != 0:
+        raise RuntimeError(f"{run} exited with {done.returncode} (its error is above)")
+    return json.loads(done.stdout)
 
 
 def run_genai(folder: Path, workload: list[BenchRequest], threads: int, pad: int, group: int = GROUP) -> dict[str, Any]:
@@ -257,7 +218,7 @@ def run_genai(folder: Path, workload: list[BenchRequest], threads: int, pad: int
         generated += run_group(workload[first:first + group])
         log(f"  genai: group {first // group + 1} done")
     useful = sum(r.output_len for r in workload)
-    return _finish("genai", useful, generated, time.perf_counter() - start, batch=group)
+    return hf_baseline.finish("genai", useful, generated, time.perf_counter() - start, batch=group)
 
 
 def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[BenchRequest],
@@ -337,9 +298,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         attempt(f"genai-{WIDE}", lambda: run_genai(built["genai_model"], workload, args.threads, pad, WIDE))
     else:
         errors["genai"] = built["genai_error"]
-    model = load_hf(checkpoint, args.threads)
-    attempt("hf-static", lambda: run_hf_static(model, workload, pad))
-    attempt("hf-single", lambda: run_hf_single(model, workload[:scale.hf_single], pad))
+    requests = [(r.prompt, r.output_len) for r in workload]
+    common = {"checkpoint": str(checkpoint), "threads": args.threads, "pad": pad}
+    attempt("hf-static", lambda: in_fresh_process("run_hf_static", requests=requests, group_size=GROUP, **common))
+    attempt("hf-single", lambda: in_fresh_process("run_hf_single", requests=requests[:scale.hf_single], **common))
 
     ratios = {}
     if "llmc" in systems:
