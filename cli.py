@@ -93,6 +93,8 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--max-batch", default=64, show_default=True, type=int, help="Sequences per step (seats).")
 @click.option("--max-seq-len", default=None, type=int, help="Longest sequence (default: the model's positions).")
 @click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: 16 full-length sequences).")
+@click.option("--kv-cache-dtype", default="auto", show_default=True,
+              help="KV pool element type: auto (the model's), fp16 or fp32.")
 @click.option("--fp16", is_flag=True, help="Compute in fp16, with fp32 norms, attention and residual sums.")
 @click.option("--int8-calib", type=click.Path(), help="Static int8 (Q/DQ) for linear layers, calibrated on "
               "this folder's .txt/.jsonl/.npy/.npz.")
@@ -104,16 +106,19 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--precision-config", type=click.Path(), help="Mixed precision: JSON mapping layers or op types "
               "to fp32/fp16/int8/int8-weights/int4.")
 def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, block_size,
-                    max_batch, max_seq_len, kv_pool_mb, fp16, int8_calib, calibrator, smoothquant, calib_tokens,
+                    max_batch, max_seq_len, kv_pool_mb, kv_cache_dtype, fp16, int8_calib, calibrator, smoothquant, calib_tokens,
                     weights, weights_block_size, precision_config):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
-    from llmc.compiler.paged_engine import PagedOptions
+    from llmc.compiler.paged_engine import KV_DTYPES, PagedOptions
     from llmc.precision.plan import PrecisionOptions
 
     options = None
     if paged:
+        if kv_cache_dtype not in KV_DTYPES:
+            raise LlmcError(f"--kv-cache-dtype: '{kv_cache_dtype}' is not one of {', '.join(KV_DTYPES)}")
         options = PagedOptions(max_batch=max_batch, max_seq_len=max_seq_len, kv_pool_mb=kv_pool_mb,
+                               kv_dtype=KV_DTYPES[kv_cache_dtype],
                                **({"block_size": block_size} if block_size is not None else {}))
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
                              passes=_pass_names(passes), verify=verify, paged=options,
@@ -209,7 +214,8 @@ def _kv_cache(manifest: dict) -> str:
     paged = manifest.get("paged")
     if not paged:
         return f"contiguous past/present ({manifest.get('not_paged', 'not paged')})"
-    return (f"paged: {paged['num_blocks']} blocks of {paged['block_size']} tokens ({paged['pool_mb']} MiB), "
+    return (f"paged: {paged['num_blocks']} blocks of {paged['block_size']} tokens ({paged['pool_mb']} MiB, "
+            f"{paged.get('kv_dtype', 'float32')}), "
             f"max batch {paged['max_batch']}, max sequence {paged['max_seq_len']}")
 
 

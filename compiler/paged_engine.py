@@ -19,6 +19,8 @@ from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 
 
 POOL_SEQUENCES = 16  # full-length sequences the default pool holds
+# --kv-cache-dtype's names and the pool element types they stand for (auto: the model's).
+KV_DTYPES = {"auto": None, "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,10 @@ class PagedOptions:
             sequences of max_seq_len. Seats are cheap and blocks are not: most sequences are far
             shorter than max_seq_len, so more of them share the pool, and the scheduler preempts
             when it runs out.
+        kv_dtype: the pool's element type, "float16" or "float32"; None keeps the model's. A
+            float16 pool of a float32 model holds twice the tokens and halves what decode
+            attention reads; keys and values are rounded to float16 when stored, and attention
+            reads them back rounded in every step, the one that made them included.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -41,6 +47,7 @@ class PagedOptions:
     max_batch: int = 64
     max_seq_len: int | None = None
     kv_pool_mb: float | None = None
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         if self.block_size not in BLOCK_SIZES:
@@ -51,6 +58,9 @@ class PagedOptions:
             raise LlmcError(f"--max-seq-len: must be ≥ 2, got {self.max_seq_len}")
         if self.kv_pool_mb is not None and not self.kv_pool_mb > 0:
             raise LlmcError(f"--kv-pool-mb: must be > 0, got {self.kv_pool_mb}")
+        if self.kv_dtype not in KV_DTYPES.values():
+            names = ", ".join(KV_DTYPES)
+            raise LlmcError(f"--kv-cache-dtype: '{self.kv_dtype}' is not one of {names}")
 
 
 def plan_pool(options: PagedOptions, interface: DecoderInterface) -> dict:
@@ -59,7 +69,8 @@ def plan_pool(options: PagedOptions, interface: DecoderInterface) -> dict:
     max_seq_len = options.max_seq_len or g.max_positions
     if max_seq_len > g.max_positions:
         raise LlmcError(f"--max-seq-len: {max_seq_len} exceeds the model's {g.max_positions} positions")
-    itemsize = np.dtype(interface.dtype).itemsize
+    kv_dtype = options.kv_dtype or interface.dtype
+    itemsize = np.dtype(kv_dtype).itemsize
     block_bytes = 2 * g.num_layers * g.num_kv_heads * options.block_size * g.head_dim * itemsize
     per_sequence = -(-max_seq_len // options.block_size)
     if options.kv_pool_mb is None:
@@ -70,7 +81,7 @@ def plan_pool(options: PagedOptions, interface: DecoderInterface) -> dict:
             raise LlmcError(f"--kv-pool-mb: {options.kv_pool_mb} MiB holds {num_blocks} blocks of "
                             f"{options.block_size} tokens, fewer than the {per_sequence} blocks one sequence "
                             f"of {max_seq_len} tokens needs")
-    return {**asdict(options), "max_seq_len": max_seq_len, "num_blocks": num_blocks,
+    return {**asdict(options), "kv_dtype": kv_dtype, "max_seq_len": max_seq_len, "num_blocks": num_blocks,
             "pool_mb": round(num_blocks * block_bytes / 2**20, 3)}
 
 
@@ -81,5 +92,5 @@ def lower(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOpt
                 "with llmc::paged_attention yet")
     if not interface.has_position_ids:
         return "the graph has no position_ids input"
-    LowerPagedAttention(options.block_size).run(model)
+    LowerPagedAttention(options.block_size, options.kv_dtype).run(model)
     return None

@@ -5,7 +5,8 @@ reads ``past_key_values.{i}.key|value`` and writes ``present.{i}.key|value``. Ou
 paged interface the serving runtime drives:
 
     inputs   input_ids, position_ids [1, tokens]     new tokens of all sequences, packed
-             key_cache.{i}, value_cache.{i}          [blocks, kv_heads, block_size, head_dim]
+             key_cache.{i}, value_cache.{i}          [blocks, kv_heads, block_size, head_dim], in
+                                                     the model's dtype or the one asked for
              block_tables, context_lens,             the step's layout, as the op defines them
              query_start_loc                         (plugins/paged_attention.py)
              logits_rows [seqs]                      packed row whose logits each sequence needs
@@ -27,6 +28,7 @@ across sequences.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -40,10 +42,11 @@ from llmc.plugins.paged_attention_onnx import METADATA_INPUTS, paged_attention_n
 class LowerPagedAttention(Pass):
     name = "lower-paged-attention"
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str | None = None):
+        """kv_dtype: the pool inputs' element type ("float16", "float32"); None: the model's."""
         if block_size not in BLOCK_SIZES:
             raise LlmcError(f"--block-size: {block_size} is not supported (powers of two from 1 to 256)")
-        self.block_size = block_size
+        self.block_size, self.kv_dtype = block_size, kv_dtype
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         graph = Graph(model)
@@ -68,6 +71,7 @@ class LowerPagedAttention(Pass):
         past = inputs["past_key_values.0.key"].type.tensor_type.shape.dim
         kv_heads, head_dim = past[1].dim_value, past[3].dim_value
         dtype = inputs["past_key_values.0.key"].type.tensor_type.elem_type
+        pool_dtype = dtype if self.kv_dtype is None else helper.np_dtype_to_tensor_dtype(np.dtype(self.kv_dtype))
         nodes, constants, new_outputs, attended = [], [], [], []
         for layer in range(layers):
             attention = attentions[layer]
@@ -88,7 +92,7 @@ class LowerPagedAttention(Pass):
                       value("position_ids", TensorProto.INT64, [1, "tokens"])]
         for layer in range(layers):
             for part in ("key", "value"):
-                new_inputs.append(value(f"{part}_cache.{layer}", dtype,
+                new_inputs.append(value(f"{part}_cache.{layer}", pool_dtype,
                                         ["blocks", kv_heads, self.block_size, head_dim]))
         new_inputs += METADATA_INPUTS + [value("logits_rows", TensorProto.INT64, ["seqs"])]
         outputs = [value("logits", dtype, [1, "seqs", vocab])]

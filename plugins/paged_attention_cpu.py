@@ -26,12 +26,16 @@ import numba
 import numpy as np
 import onnxruntime as ort
 from llvmlite import ir
+from onnx import helper
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from llmc.errors import LlmcError
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.plugins.paged_attention_onnx import plan_step, standalone_model
 
+# Pool element types the kernel reads, and the NumPy type it sees each as (Numba has no float16).
+POOL_TYPES = {np.dtype(np.float32): np.float32, np.dtype(np.float16): np.uint16}
 # New tokens per kernel work item: enough rows to reuse each loaded key, few enough that a step
 # still splits into at least as many items as there are cores.
 QUERY_TILE = 16
@@ -58,12 +62,16 @@ class CpuPagedAttention:
     Args:
         num_heads, num_kv_heads, head_dim, block_size: the op's geometry.
         threads: threads for both paths; None uses every core.
+        kv_dtype: the pool's element type, "float32" or "float16".
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 threads: int | None = None):
+                 threads: int | None = None, kv_dtype: str = "float32"):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.threads = block_size, threads
+        self.kv_dtype = np.dtype(kv_dtype)
+        if self.kv_dtype not in POOL_TYPES:
+            raise LlmcError(f"paged attention (CPU): a {self.kv_dtype} KV pool is not supported (float32, float16)")
         self._dense: dict[float, ort.InferenceSession] = {}  # by scale
         self._kernel = None  # _attend for this block size, once compiled
         if threads:
@@ -86,19 +94,20 @@ class CpuPagedAttention:
 
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cache: np.ndarray,
                  value_cache: np.ndarray, layout: StepLayout, scale: float | None = None) -> np.ndarray:
-        """[tokens, heads, head_dim] attention of the packed tokens (inputs as in the op's contract,
-        float32, already checked)."""
+        """[tokens, heads, head_dim] float32 attention of the packed tokens (inputs as in the op's
+        contract, already checked; the pool in `kv_dtype`)."""
         scale = self.head_dim ** -0.5 if scale is None else float(scale)
-        query, key, value, key_cache, value_cache = (np.ascontiguousarray(a, np.float32) for a in (
-            query, key, value, key_cache, value_cache))
+        query, key, value = (np.ascontiguousarray(a, np.float32) for a in (query, key, value))
+        key_cache, value_cache = (np.ascontiguousarray(a, self.kv_dtype) for a in (key_cache, value_cache))
         output = np.empty(query.shape, np.float32)
         if len(layout.items):
             b = layout.batch
-            args = (query, key, value, key_cache, value_cache, b.block_tables, b.context_lens,
-                    b.query_start_loc, layout.items, np.float32(scale), output, self.block_size)
+            pool_type = POOL_TYPES[self.kv_dtype]  # the kernel reads float16 as its bits (uint16)
+            args = (query, key, value, key_cache.view(pool_type), value_cache.view(pool_type), b.block_tables,
+                    b.context_lens, b.query_start_loc, layout.items, np.float32(scale), output, self.block_size)
             if self._kernel is None:
                 _attend(*args)  # compiles, or loads from the disk cache, this block size's kernel
-                self._kernel = compiled_entry_point(_attend, self.block_size)
+                self._kernel = compiled_entry_point(_attend, args)
             else:
                 self._kernel(*args)
         for rows, feeds in layout.dense:
@@ -111,7 +120,8 @@ class CpuPagedAttention:
         if scale not in self._dense:
             options = session_options(self.threads)
             model = standalone_model(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                     head_dim=self.head_dim, block_size=self.block_size, scale=scale)
+                                     head_dim=self.head_dim, block_size=self.block_size, scale=scale,
+                                     cache_dtype=helper.np_dtype_to_tensor_dtype(self.kv_dtype))
             self._dense[scale] = ort.InferenceSession(model.SerializeToString(), options,
                                                       providers=["CPUExecutionProvider"])
         return self._dense[scale]
@@ -129,15 +139,16 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return options
 
 
-def compiled_entry_point(kernel, block_size: int):
-    """The compiled `kernel` specialized for a literal `block_size` (its last argument), called
-    without Numba's dispatcher: for a literal argument, the dispatcher retypes every call (measured
-    95 ms a call). The entry point does no type checks: callers pass C-contiguous arrays of the
-    types of the first call."""
+def compiled_entry_point(kernel, args: tuple):
+    """The compiled `kernel` for these arguments, the last a literal block size, to call without
+    Numba's dispatcher: for a literal argument, the dispatcher retypes every call (measured 95 ms a
+    call). The entry point does no type checks: callers pass arguments of these types again."""
+    *values, block_size = args
+    types = tuple(numba.typeof(v) for v in values)
     for signature, compiled in kernel.overloads.items():
-        if getattr(signature[-1], "literal_value", None) == block_size:
+        if signature[:-1] == types and getattr(signature[-1], "literal_value", None) == block_size:
             return compiled.entry_point
-    raise LookupError(f"no compiled {kernel.__name__} for block size {block_size}")
+    raise LookupError(f"no compiled {kernel.__name__} for {types} and block size {block_size}")
 
 
 def work_items(query_start_loc: np.ndarray, kv_heads: int, sequences: np.ndarray) -> np.ndarray:
@@ -163,6 +174,19 @@ def prefetch(typingctx, array, offset):
         builder.call(function, [builder.bitcast(builder.gep(data, [args[1]]), byte_pointer), i32(0), i32(3), i32(1)])
         return context.get_dummy_value()
     return numba.types.none(array, numba.types.intp), codegen
+
+
+@intrinsic
+def widen(typingctx, element):
+    """A pool element as float32: float32 as it is, uint16 as the bits of a float16 (LLVM's fpext,
+    which vectorizes to the CPU's half-to-float conversion)."""
+    if element == numba.types.float32:
+        return numba.types.float32(element), lambda context, builder, signature, args: args[0]
+    if element == numba.types.uint16:
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return numba.types.float32(element), codegen
+    return None
 
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -191,7 +215,7 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
         lines = block_size * head_dim // 16  # 64-byte lines in a block of one kv head
         for b in range(full):
             kb = key_cache[block_tables[s, b], kv_head]
-            if b + 1 <= full:
+            if (b + 1) * block_size < past:  # the next block holds past keys (the table may end here)
                 ahead = key_cache[block_tables[s, b + 1], kv_head]
                 for line in range(lines):
                     prefetch(ahead, line * 16)
@@ -201,14 +225,14 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                 for r in range(0, rows - 1, 2):
                     acc0, acc1 = np.float32(0.0), np.float32(0.0)
                     for d in range(head_dim):
-                        acc0 += q[r, d] * kb[o, d]
-                        acc1 += q[r + 1, d] * kb[o, d]
+                        acc0 += q[r, d] * widen(kb[o, d])
+                        acc1 += q[r + 1, d] * widen(kb[o, d])
                     scores[r, b * block_size + o] = acc0
                     scores[r + 1, b * block_size + o] = acc1
                 if rows % 2:
                     acc = np.float32(0.0)
                     for d in range(head_dim):
-                        acc += q[rows - 1, d] * kb[o, d]
+                        acc += q[rows - 1, d] * widen(kb[o, d])
                     scores[rows - 1, b * block_size + o] = acc
         if full * block_size < past:
             kb = key_cache[block_tables[s, full], kv_head]
@@ -216,7 +240,7 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                 for o in range(past - full * block_size):
                     acc = np.float32(0.0)
                     for d in range(head_dim):
-                        acc += q[r, d] * kb[o, d]
+                        acc += q[r, d] * widen(kb[o, d])
                     scores[r, full * block_size + o] = acc
         for i in range(end - start):
             for r in range(rows):
@@ -269,7 +293,7 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                 for d in range(head_dim):
                     acc = attended[r, d]
                     for o in range(block_size):
-                        acc += scores[r, b * block_size + o] * vb[o, d]
+                        acc += scores[r, b * block_size + o] * widen(vb[o, d])
                     attended[r, d] = acc
         if full * block_size < past:
             vb = value_cache[block_tables[s, full], kv_head]
@@ -277,7 +301,7 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                 for o in range(past - full * block_size):
                     p = scores[r, full * block_size + o]
                     for d in range(head_dim):
-                        attended[r, d] += p * vb[o, d]
+                        attended[r, d] += p * widen(vb[o, d])
         for i in range(end - start):
             for r in range(rows):
                 p = scores[r, past + i]

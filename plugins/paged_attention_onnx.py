@@ -56,14 +56,14 @@ def register() -> None:
         return
     except defs.SchemaError:
         pass
-    names = ("query", "key", "value", "key_cache", "value_cache")
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
     schema = OpSchema(
         OP_TYPE, DOMAIN, 1, "Attention of packed new tokens over a paged KV pool (plugins/paged_attention.py).",
-        inputs=[OpSchema.FormalParameter(n, "T") for n in names]
+        inputs=[OpSchema.FormalParameter(n, "T") for n in ("query", "key", "value")]
+        + [OpSchema.FormalParameter(n, "C") for n in ("key_cache", "value_cache")]  # the pool's own type
         + [OpSchema.FormalParameter(i.name, "I") for i in METADATA_INPUTS],
         outputs=[OpSchema.FormalParameter("output", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], ""),
-                          ("I", ["tensor(int32)", "tensor(int64)"], "")],
+        type_constraints=[("T", floats, ""), ("C", floats, ""), ("I", ["tensor(int32)", "tensor(int64)"], "")],
         attributes=[OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "", required=True)])
     schema.set_type_and_shape_inference_function(_like_query)
     defs.register_schema(schema)
@@ -124,7 +124,8 @@ def plan_inputs(dtype: int = TensorProto.FLOAT) -> list[onnx.ValueInfoProto]:
 
 def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str, value_cache: str,
                    output: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   scale: float | None = None) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+                   scale: float | None = None, widen_cache_to: int | None = None
+                   ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """The nodes computing one PagedAttention ([tokens, heads, head_dim] in and out).
 
     Args:
@@ -132,6 +133,8 @@ def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str
         query, key, value, key_cache, value_cache, output: value names in the graph.
         num_heads, num_kv_heads, head_dim, block_size: the op's geometry.
         scale: attention scale; default 1/sqrt(head_dim).
+        widen_cache_to: the query's element type, when the pool's is another (a float16 pool):
+            gathered blocks are cast to it.
     """
     blocks, mask = PLAN_INPUTS
     n = lambda name: f"{prefix}/{name}"  # noqa: E731 — a local naming helper
@@ -142,9 +145,13 @@ def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str
         nodes += [helper.make_node("Transpose", [source], [n(f"{name}_heads")], perm=[1, 0, 2]),
                   helper.make_node("Unsqueeze", [n(f"{name}_heads"), n("batch_axis")], [n(f"{name}_4d")])]
     for name, cache in (("k", key_cache), ("v", value_cache)):
+        gathered = n(f"{name}_blocks")  # [used, KV, blk, D]
+        nodes.append(helper.make_node("Gather", [cache, blocks], [gathered]))
+        if widen_cache_to is not None:
+            nodes.append(helper.make_node("Cast", [gathered], [n(f"{name}_blocks_wide")], to=widen_cache_to))
+            gathered = n(f"{name}_blocks_wide")
         nodes += [
-            helper.make_node("Gather", [cache, blocks], [n(f"{name}_blocks")]),  # [used, KV, blk, D]
-            helper.make_node("Transpose", [n(f"{name}_blocks")], [n(f"{name}_by_head")], perm=[1, 0, 2, 3]),
+            helper.make_node("Transpose", [gathered], [n(f"{name}_by_head")], perm=[1, 0, 2, 3]),
             helper.make_node("Reshape", [n(f"{name}_by_head"), n("past_shape")], [n(f"{name}_past")]),
             helper.make_node("Concat", [n(f"{name}_past"), n(f"{name}_4d")], [n(f"{name}_all")], axis=2),
         ]
@@ -158,18 +165,21 @@ def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str
 
 
 def standalone_model(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                     scale: float | None = None, dtype: int = TensorProto.FLOAT) -> onnx.ModelProto:
+                     scale: float | None = None, dtype: int = TensorProto.FLOAT,
+                     cache_dtype: int | None = None) -> onnx.ModelProto:
     """The dense form of one PagedAttention as a whole ONNX model (inputs: the op's tensors and
-    `PLAN_INPUTS`)."""
+    `PLAN_INPUTS`; the pool in `cache_dtype`, default `dtype`)."""
+    cache_dtype = dtype if cache_dtype is None else cache_dtype
     nodes, constants = lowering_nodes("paged", "query", "key", "value", "key_cache", "value_cache",
                                       "output", num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                      head_dim=head_dim, block_size=block_size, scale=scale)
-    tensor = lambda name, shape: helper.make_tensor_value_info(name, dtype, shape)  # noqa: E731
+                                      head_dim=head_dim, block_size=block_size, scale=scale,
+                                      widen_cache_to=None if cache_dtype == dtype else dtype)
+    tensor = lambda name, shape, type_=dtype: helper.make_tensor_value_info(name, type_, shape)  # noqa: E731
     inputs = [tensor("query", ["tokens", num_heads, head_dim]),
               tensor("key", ["tokens", num_kv_heads, head_dim]),
               tensor("value", ["tokens", num_kv_heads, head_dim]),
-              tensor("key_cache", ["blocks", num_kv_heads, block_size, head_dim]),
-              tensor("value_cache", ["blocks", num_kv_heads, block_size, head_dim]),
+              tensor("key_cache", ["blocks", num_kv_heads, block_size, head_dim], cache_dtype),
+              tensor("value_cache", ["blocks", num_kv_heads, block_size, head_dim], cache_dtype),
               *plan_inputs(dtype)]
     graph = helper.make_graph(nodes, "paged_attention", inputs,
                               [tensor("output", ["tokens", num_heads, head_dim])], constants)

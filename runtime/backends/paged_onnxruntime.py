@@ -25,7 +25,7 @@ from llmc.compiler.onnx_io import infer_shapes, load_model_files, serialize
 from llmc.errors import LlmcError
 from llmc.passes.graph import attr
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch
-from llmc.plugins.paged_attention_cpu import CpuPagedAttention, session_options, store
+from llmc.plugins.paged_attention_cpu import POOL_TYPES, CpuPagedAttention, session_options, store
 from llmc.plugins.paged_attention_onnx import register
 from llmc.runtime.backends.onnxruntime import open_session
 
@@ -136,10 +136,11 @@ class PagedDecoder:
         num_blocks: blocks in the pool, shared by all sequences.
         max_seq_len: longest sequence the engine was sized for; default the model's positions.
         threads: CPU threads; None uses every core.
+        kv_dtype: the pool's element type ("float32" or "float16").
     """
 
     def __init__(self, model: onnx.ModelProto, geometry: Geometry, block_size: int, num_blocks: int,
-                 max_seq_len: int | None = None, threads: int | None = None):
+                 max_seq_len: int | None = None, threads: int | None = None, kv_dtype: str = "float32"):
         self.geometry, self.block_size = geometry, block_size
         self.max_seq_len = max_seq_len or geometry.max_positions
         options = session_options(threads)
@@ -148,11 +149,11 @@ class PagedDecoder:
         self._sessions = [seg.model and open_session(serialize(seg.model), self._unpacked.name, options)
                           for seg in self.segments]
         self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
-                                           block_size, threads)
+                                           block_size, threads, kv_dtype)
         shape = (num_blocks, geometry.num_kv_heads, block_size, geometry.head_dim)
         # Filled, not just allocated: np.zeros maps pages lazily, and the kernel zeroing them on
         # first write cost up to 70 ms in the step that first used fresh blocks.
-        self.pools = {f"{part}_cache.{i}": np.full(shape, 0, np.float32)
+        self.pools = {f"{part}_cache.{i}": np.full(shape, 0, kv_dtype)
                       for i in range(geometry.num_layers) for part in ("key", "value")}
 
     @classmethod
@@ -162,8 +163,9 @@ class PagedDecoder:
         with tempfile.TemporaryDirectory(prefix="llmc-engine-") as folder:
             model = load_model_files({name: engine.sections[name] for name in ("model.onnx", "model.onnx.data")
                                       if name in engine.sections}, folder)
+        # Engines written before kv_dtype had float32 pools.
         return cls(model, Geometry(**manifest["geometry"]), paged["block_size"], paged["num_blocks"],
-                   paged["max_seq_len"], threads)
+                   paged["max_seq_len"], threads, paged.get("kv_dtype", "float32"))
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
              rows: np.ndarray | None = None) -> np.ndarray:
@@ -181,13 +183,16 @@ class PagedDecoder:
             node = segment.attention
             if node is not None:
                 query, key, value, key_cache, value_cache = (values[name] for name in node.input[:5])
+                # In the pool's type before attention reads them: a step sees its own keys and
+                # values as every later step will, so outputs do not depend on how prompts are chunked.
+                key, value = (np.ascontiguousarray(a, key_cache.dtype) for a in (key, value))
                 attended = self.attention(query, key, value, key_cache, value_cache, layout, attr(node, "scale"))
-                values[node.output[0]] = attended.astype(query.dtype, copy=False)  # fp16 graphs: the
-                # kernel and the pool work in fp32
+                values[node.output[0]] = attended.astype(query.dtype, copy=False)  # the kernel computes in fp32
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = self._slots(batch)
         for pool, new in stores:
-            store(pool, np.ascontiguousarray(new, np.float32), blocks, offsets)
+            bits = POOL_TYPES[pool.dtype]  # Numba has no float16: it stores the bits
+            store(pool.view(bits), new.view(bits), blocks, offsets)
         return values["logits"][0]
 
     def warm_up(self, tokens: int, seqs: int) -> None:

@@ -32,6 +32,15 @@ def test_default_engine_is_paged_and_sized_from_the_options(tiny_llama_engine):
     # 2 (K and V) × 4 layers × 2 kv heads × 16 tokens × 64 dims × 4 bytes per block
     assert paged["pool_mb"] == pytest.approx(512 * 2 * 4 * 2 * 16 * 64 * 4 / 2**20)
     assert "paged: 512 blocks of 16 tokens" in llmc("inspect", tiny_llama_engine).stdout
+    assert paged["kv_dtype"] == "float32"  # auto: the model's
+
+
+def test_float16_pool_holds_the_same_blocks_in_half_the_memory(tiny_llama_onnx, tiny_llama_engine, tmp_path):
+    result = llmc("compile", tiny_llama_onnx, "-o", tmp_path / "kv16.plan", "--kv-cache-dtype", "fp16")
+    assert result.exit_code == 0, result.output
+    paged, reference = (read_manifest(p)["paged"] for p in (tmp_path / "kv16.plan", tiny_llama_engine))
+    assert paged["kv_dtype"] == "float16" and paged["num_blocks"] == reference["num_blocks"]
+    assert paged["pool_mb"] == pytest.approx(reference["pool_mb"] / 2)
 
 
 @pytest.mark.parametrize("options", [["--block-size", "8", "--max-batch", "3"],
@@ -50,6 +59,7 @@ def test_paged_greedy_tokens_equal_the_contiguous_engine(tiny_llama_onnx, tmp_pa
     (["--kv-pool-mb", "0.01"], "--kv-pool-mb: 0.01 MiB holds 0 blocks"),
     (["--max-seq-len", "4096"], "--max-seq-len: 4096 exceeds the model's 512 positions"),
     (["--max-batch", "0"], "--max-batch: must be ≥ 1"),
+    (["--kv-cache-dtype", "int8"], "--kv-cache-dtype: 'int8' is not one of auto, fp16, fp32"),
 ])
 def test_bad_paged_options(tiny_llama_onnx, tmp_path, options, message):
     result = llmc("compile", tiny_llama_onnx, "-o", tmp_path / "e.plan", *options)

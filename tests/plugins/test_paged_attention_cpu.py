@@ -12,10 +12,10 @@ from llmc.plugins.paged_attention_cpu import DENSE_MIN_TOKENS, QUERY_TILE, CpuPa
 OPS = {}
 
 
-def op(heads, kv_heads, head_dim, block_size):
-    key = (heads, kv_heads, head_dim, block_size)
+def op(heads, kv_heads, head_dim, block_size, kv_dtype="float32"):
+    key = (heads, kv_heads, head_dim, block_size, kv_dtype)
     if key not in OPS:
-        OPS[key] = CpuPagedAttention(heads, kv_heads, head_dim, block_size, threads=2)
+        OPS[key] = CpuPagedAttention(heads, kv_heads, head_dim, block_size, threads=2, kv_dtype=kv_dtype)
     return OPS[key]
 
 
@@ -25,15 +25,20 @@ def op(heads, kv_heads, head_dim, block_size):
        lens=st.lists(st.tuples(st.integers(0, 70), st.sampled_from([0, 1, 2, 15, 17, 63, 64, 80])),
                      min_size=1, max_size=5),
        ratio=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([1, 4, 16, 256]),
-       head_dim=st.sampled_from([64, 128]), scale=st.sampled_from([None, 0.05]))
-def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale):
+       head_dim=st.sampled_from([64, 128]), scale=st.sampled_from([None, 0.05]),
+       kv_dtype=st.sampled_from(["float32", "float16"]))
+def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale, kv_dtype):
     rng = np.random.default_rng(seed)
     heads = 2 * ratio
     inputs, _ = build_case(rng, [p for p, _ in lens], [n for _, n in lens], heads, 2, head_dim, block_size)
-    attention = op(heads, 2, head_dim, block_size)
+    # A float16 pool holds keys and values rounded to float16, and the decoder rounds the step's
+    # new ones the same way: the reference gets the rounded values, widened back to float32.
+    inputs = (inputs[0], *(a.astype(kv_dtype) for a in inputs[1:5]), *inputs[5:])
+    attention = op(heads, 2, head_dim, block_size, kv_dtype)
     layout = attention.layout(PagedBatch(*inputs[5:]))
     got = attention(*inputs[:5], layout, scale)
-    np.testing.assert_allclose(got, paged_attention_reference(*inputs, scale=scale), atol=2e-5, rtol=1e-4)
+    widened = (inputs[0], *(a.astype(np.float32) for a in inputs[1:5]), *inputs[5:])
+    np.testing.assert_allclose(got, paged_attention_reference(*widened, scale=scale), atol=2e-5, rtol=1e-4)
 
 
 def test_layout_sends_decodes_to_the_kernel_and_chunks_to_the_dense_form():

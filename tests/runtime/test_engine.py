@@ -88,3 +88,20 @@ def test_contiguous_engine_is_refused(tiny_llama_onnx, tmp_path):
     compile_model(tiny_llama_onnx, tmp_path / "dense.plan", paged=None)
     with pytest.raises(LlmcError, match="not a paged engine"):
         Engine.from_file(tmp_path / "dense.plan")
+
+
+def test_float16_pool_batched_equals_alone_and_stays_near_the_float32_pool(tiny_llama_onnx, tiny_llama_engine,
+                                                                           tmp_path):
+    compile_model(tiny_llama_onnx, tmp_path / "kv16.plan", paged=PagedOptions(kv_dtype="float16"))
+    # Chunked prompts beside decodes, then each alone: a step reads its own new keys rounded, as
+    # later steps read them from the pool, so how a prompt is split cannot change the tokens.
+    batched = run_all(Engine.from_file(tmp_path / "kv16.plan",
+                                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)), PROMPTS)
+    engine = Engine.from_file(tmp_path / "kv16.plan")
+    assert batched == [run_all(engine, [p])[0] for p in PROMPTS]
+    assert engine.decoder.pools["key_cache.0"].dtype == "float16"
+    # Keys and values rounded to float16 (relative error 2^-11) move the logits by far less than
+    # their spread.
+    ids = LLM(tiny_llama_engine).tokenizer.encode(PROMPTS[3] * 4)
+    reference, rounded = LLM(tiny_llama_engine).logits(ids), LLM(tmp_path / "kv16.plan").logits(ids)
+    assert 0 < abs(rounded - reference).max() < 1e-2 * reference.std()
