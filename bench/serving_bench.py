@@ -19,6 +19,8 @@ Useful output = the requested tokens; tokens a system generates past a request's
                   groups of 16 in arrival order run to completion, left padding, greedy
   llmc-32, genai-32  the same with 32 seats (same engine and pool) and groups of 32: whether
                   the ranking holds when both batch wider
+  llmc-kv16       llmc with `--kv-cache-dtype fp16` (weights and activations fp32, the KV pool
+                  float16; genai's KV stays fp32): not the same precision, so reported beside
 
 Scenario 2, interference (llmc only): 16 short requests (prompts 32-128, 16 output tokens)
 arriving at Poisson times after t=0, alone and with one 3,000-token prompt (64 output tokens)
@@ -93,6 +95,7 @@ def build(checkpoint: Path, out: Path, cache: Path) -> dict[str, Any]:
     """The llmc engine and the genai model folder; returns their paths and build times."""
     from llmc.compiler.build import compile_model
     from llmc.compiler.export import export
+    from llmc.compiler.paged_engine import PagedOptions
 
     if out.exists():
         shutil.rmtree(out)
@@ -105,6 +108,9 @@ def build(checkpoint: Path, out: Path, cache: Path) -> dict[str, Any]:
     built["llmc_engine"] = out / "engine.plan"
     built["llmc_build_s"] = round(time.perf_counter() - start, 1)
     built["paged"] = manifest["paged"]
+    with contextlib.redirect_stdout(sys.stderr):
+        compile_model(out / "model.onnx", out / "engine-kv16.plan", paged=PagedOptions(kv_dtype="float16"))
+    built["llmc_kv16_engine"] = out / "engine-kv16.plan"
     log(f"build: llmc engine in {built['llmc_build_s']} s: {manifest['paged']}")
     start = time.perf_counter()
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
@@ -285,6 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     attempt("llmc", lambda: run_llmc(built["llmc_engine"], workload, args.threads))
     attempt(f"llmc-{WIDE}", lambda: run_llmc(built["llmc_engine"], workload, args.threads, seats=WIDE))
+    attempt("llmc-kv16", lambda: run_llmc(built["llmc_kv16_engine"], workload, args.threads))
     shorts, mixed = interference_workloads(scale, args.seed, special)
     interference = None
     try:
@@ -308,6 +315,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mine = systems["llmc"]["throughput_tok_s"]
         ratios = {f"llmc_vs_{name}": round(mine / s["throughput_tok_s"], 2)
                   for name, s in systems.items() if name != "llmc"}
+    if "llmc-kv16" in systems and "genai" in systems:
+        ratios["llmc-kv16_vs_genai"] = round(
+            systems["llmc-kv16"]["throughput_tok_s"] / systems["genai"]["throughput_tok_s"], 2)
     if f"llmc-{WIDE}" in systems and f"genai-{WIDE}" in systems:
         ratios[f"llmc-{WIDE}_vs_genai-{WIDE}"] = round(
             systems[f"llmc-{WIDE}"]["throughput_tok_s"] / systems[f"genai-{WIDE}"]["throughput_tok_s"], 2)
@@ -368,6 +378,8 @@ def render(result: dict[str, Any]) -> str:
     wide = f"llmc-{WIDE}_vs_genai-{WIDE}"
     if wide in result["ratios"]:
         lines += [f"at {WIDE} seats / groups of {WIDE}: llmc-{WIDE} is {result['ratios'][wide]}× genai-{WIDE}"]
+    if "llmc-kv16_vs_genai" in result["ratios"]:
+        lines += [f"with a float16 KV pool (genai's stays fp32): llmc-kv16 is {result['ratios']['llmc-kv16_vs_genai']}× genai"]
     lines += ["goals: " + "; ".join(checks)]
     lines += [f"FAILED {name}: {message}" for name, message in result["errors"].items()]
     return "\n".join(lines)
