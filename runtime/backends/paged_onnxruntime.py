@@ -38,6 +38,7 @@ class Segment:
     inputs: list[str]
     outputs: list[str]
     attention: onnx.NodeProto | None
+    scale: float | None = None  # the attention's
 
 
 def split_at_paged_attention(model: onnx.ModelProto) -> list[Segment]:
@@ -92,7 +93,8 @@ def split_at_paged_attention(model: onnx.ModelProto) -> list[Segment]:
                                   [helper.make_value_info(n, types[n]) for n in outputs],
                                   [weights[n] for n in sorted(used & set(weights))]),
                 opset_imports=[o for o in model.opset_import if o.domain != DOMAIN], ir_version=model.ir_version)
-        segments.append(Segment(sub, inputs, outputs, attentions.get(k)))
+        attention = attentions.get(k)
+        segments.append(Segment(sub, inputs, outputs, attention, attention and attr(attention, "scale")))
     return segments
 
 
@@ -186,7 +188,7 @@ class PagedDecoder:
                 # In the pool's type before attention reads them: a step sees its own keys and
                 # values as every later step will, so outputs do not depend on how prompts are chunked.
                 key, value = (np.ascontiguousarray(a, key_cache.dtype) for a in (key, value))
-                attended = self.attention(query, key, value, key_cache, value_cache, layout, attr(node, "scale"))
+                attended = self.attention(query, key, value, key_cache, value_cache, layout, segment.scale)
                 values[node.output[0]] = attended.astype(query.dtype, copy=False)  # the kernel computes in fp32
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = self._slots(batch)
@@ -215,10 +217,8 @@ class PagedDecoder:
 
     def _slots(self, batch: PagedBatch) -> tuple[np.ndarray, np.ndarray]:
         """Pool block and offset of every packed token's slot (past length + its index)."""
-        blocks, offsets = [], []
-        for s in range(batch.num_seqs):
-            count = int(batch.query_start_loc[s + 1] - batch.query_start_loc[s])
-            slots = int(batch.context_lens[s]) + np.arange(count)
-            blocks.append(batch.block_tables[s, slots // self.block_size])
-            offsets.append(slots % self.block_size)
-        return np.concatenate(blocks).astype(np.int64), np.concatenate(offsets).astype(np.int64)
+        starts = np.asarray(batch.query_start_loc, np.int64)
+        sequence = np.repeat(np.arange(batch.num_seqs), np.diff(starts))  # of each packed token
+        slots = np.asarray(batch.context_lens, np.int64)[sequence] + np.arange(starts[-1]) - starts[sequence]
+        blocks = np.asarray(batch.block_tables, np.int64)[sequence, slots // self.block_size]
+        return blocks, slots % self.block_size
