@@ -19,11 +19,20 @@ import transformers
 
 from llmc.tokenizer import byte_level_tokenizer
 
+# FAMILIES: the original four, which other tests iterate (keep its meaning stable).
+# ALL_FAMILIES: every family `llmc export` supports, for the model and generation tests.
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+ALL_FAMILIES = (*FAMILIES, "llama3", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt_neox")
 
 # Small configs, vocab 258 to fit the byte-level tokenizer. Each exercises a feature:
 # llama: GQA, Llama 3 rope scaling, q/k/v/o bias; qwen2: q/k/v bias, tied embeddings;
-# mistral: sliding window 4, head_dim != hidden/heads; gpt2: tied head, Conv1D layout.
+# mistral: sliding window 4, head_dim != hidden/heads; gpt2: tied head, Conv1D layout;
+# llama3: several EOS ids, tied embeddings, Llama 3 rope scaling, rope_theta 500000;
+# qwen3: q/k RMSNorm; phi3: fused qkv_proj and gate_up_proj; gemma: (1+w) RMSNorm, GeGLU,
+# scaled embeddings; gemma2: soft-capping (attention and final logits), sandwich norms,
+# sliding layer 0 and global layer 1, query_pre_attn_scalar != head_dim; gemma3 (text):
+# q/k norm, local/global rope bases, linear rope scaling on global layers, sliding pattern;
+# gpt_neox: parallel residual, partial rotary (half of each head), fused query_key_value.
 # Larger than HF's 0.02 so activations are O(1): numerical slips (rope scaling, GELU
 # approximation) then move the logits well past the 1e-4 tolerance.
 _INIT_STD = 0.1
@@ -58,6 +67,43 @@ CONFIGS: dict[str, Any] = {
     "mistral": lambda: transformers.MistralConfig(
         **_LLAMA_COMMON, head_dim=32, sliding_window=4, tie_word_embeddings=False
     ),
+    "llama3": lambda: transformers.LlamaConfig(
+        **{**_LLAMA_COMMON, "eos_token_id": [257, 10]},
+        rope_scaling={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        tie_word_embeddings=True,
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**_LLAMA_COMMON, head_dim=16, tie_word_embeddings=False),
+    "phi3": lambda: transformers.Phi3Config(
+        **_LLAMA_COMMON, original_max_position_embeddings=128, pad_token_id=257, tie_word_embeddings=False
+    ),
+    "gemma": lambda: transformers.GemmaConfig(
+        **_LLAMA_COMMON, head_dim=16, hidden_act="gelu_pytorch_tanh", pad_token_id=0
+    ),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **_LLAMA_COMMON, head_dim=16, query_pre_attn_scalar=32, sliding_window=4,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0,
+    ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **_LLAMA_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        pad_token_id=0,
+    ),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, rotary_pct=0.5, use_parallel_residual=True,
+        bos_token_id=256, eos_token_id=257, initializer_range=_INIT_STD, tie_word_embeddings=False,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=258, n_embd=64, n_layer=2, n_head=4, n_positions=128,
         bos_token_id=256,
@@ -72,12 +118,12 @@ def write_hf_checkpoint(folder: Path, family: str, *, sharded: bool = False, see
 
     Args:
         folder: destination folder, created if missing.
-        family: one of FAMILIES.
+        family: one of ALL_FAMILIES.
         sharded: write several safetensors shards plus model.safetensors.index.json.
         seed: torch.manual_seed for the weights.
     """
     if family not in CONFIGS:
-        raise ValueError(f"unknown family {family!r} (known: {', '.join(FAMILIES)})")
+        raise ValueError(f"unknown family {family!r} (known: {', '.join(ALL_FAMILIES)})")
     folder = Path(folder)
     torch.manual_seed(seed)
     config = CONFIGS[family]()
