@@ -20,13 +20,18 @@ Inputs
                    query_start_loc[s] : query_start_loc[s + 1] (0 first, T last, non-decreasing)
 Attributes
     scale          float, default 1/sqrt(head_dim)
+    window         int, default 0: each new token attends to at most the last `window` keys,
+                   itself included (sliding-window attention: Mistral, Gemma-2/3's local
+                   layers); 0 is full causal attention. Per node, so per layer.
 Output
     output         [T, num_heads, head_dim]
 
 Semantics: new token i (0-based within sequence s, whose past length is P) attends to the P cached
 tokens — past token j is at ``cache[block_tables[s, j // block_size], :, j % block_size]`` — and
 causally to its sequence's new tokens 0..i. Query head h reads kv head h // (num_heads /
-num_kv_heads) (grouped-query attention). The op reads the pool and never writes it: the runtime
+num_kv_heads) (grouped-query attention). With a window W, the token at position p = P + i sees
+only positions p - W + 1 … p, and block-table entries of blocks wholly before the step's first
+token's window are never read (the runtime may have freed them: any value). The op reads the pool and never writes it: the runtime
 stores the step's new keys and values at their slots P + i afterwards (one scatter per step), so
 a step has no side effects and is easy to test and retry.
 
@@ -65,13 +70,20 @@ class PagedBatch:
         return len(self.context_lens)
 
 
+def first_visible_block(past: int, window: int, block_size: int) -> int:
+    """The first block a sequence's new tokens read, when the first of them is at position
+    `past`: 0 without a window, else the block of its earliest visible key."""
+    return max(0, past - window + 1) // block_size if window else 0
+
+
 def check_inputs(query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cache: np.ndarray,
-                 value_cache: np.ndarray, batch: PagedBatch) -> None:
+                 value_cache: np.ndarray, batch: PagedBatch, window: int = 0) -> None:
     """Raise LlmcError naming the input at fault; never let a bad table read the wrong memory.
 
     Args:
         query, key, value, key_cache, value_cache: as in the module docstring.
         batch: block tables, past lengths and packed offsets.
+        window: the attention window (0: none); table entries before it are not checked.
     """
     tokens, heads, head_dim = _dims(query, 3, "query")
     if key.shape != value.shape or key.ndim != 3 or key.shape[0] != tokens or key.shape[2] != head_dim:
@@ -99,12 +111,15 @@ def check_inputs(query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cach
                         f"got {starts.tolist()}")
     if np.any(lens < 0):
         raise LlmcError(f"paged_attention: negative context length in {lens.tolist()}")
+    if window < 0:
+        raise LlmcError(f"paged_attention: window must be ≥ 0 (0: full attention), got {window}")
     for s in range(batch.num_seqs):
         used = -(-int(lens[s]) // block_size)
         if used > tables.shape[1]:
             raise LlmcError(f"paged_attention: sequence {s} has {lens[s]} cached tokens but its block "
                             f"table holds only {tables.shape[1]} blocks of {block_size}")
-        bad = [int(b) for b in tables[s, :used] if not 0 <= b < num_blocks]
+        first = first_visible_block(int(lens[s]), window, block_size)
+        bad = [int(b) for b in tables[s, first:used] if not 0 <= b < num_blocks]
         if bad:
             raise LlmcError(f"paged_attention: sequence {s} points at block {bad[0]} outside the pool "
                             f"of {num_blocks} blocks")
@@ -113,13 +128,14 @@ def check_inputs(query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cach
 def paged_attention_reference(query: np.ndarray, key: np.ndarray, value: np.ndarray,
                               key_cache: np.ndarray, value_cache: np.ndarray,
                               block_tables: np.ndarray, context_lens: np.ndarray,
-                              query_start_loc: np.ndarray, scale: float | None = None) -> np.ndarray:
+                              query_start_loc: np.ndarray, scale: float | None = None,
+                              window: int = 0) -> np.ndarray:
     """The ground truth: gathers each sequence's past from the pool and attends, in float64.
 
     Args: as in the module docstring.
     """
     batch = PagedBatch(np.asarray(block_tables), np.asarray(context_lens), np.asarray(query_start_loc))
-    check_inputs(query, key, value, key_cache, value_cache, batch)
+    check_inputs(query, key, value, key_cache, value_cache, batch, window)
     heads, head_dim = query.shape[1:]
     groups = heads // key.shape[1]
     block_size = key_cache.shape[2]
@@ -130,16 +146,22 @@ def paged_attention_reference(query: np.ndarray, key: np.ndarray, value: np.ndar
         if begin == end:
             continue  # a sequence with nothing new this step
         past = int(batch.context_lens[s])
-        slots = np.arange(past)
+        # Slots before the window's first block are never read: their table entries may be stale.
+        # They stay in `keys` as zeros, masked below, so that column j is position j.
+        slots = np.arange(first_visible_block(past, window, block_size) * block_size, past)
         blocks = batch.block_tables[s, slots // block_size]
+        cached_k = np.zeros((past, *key.shape[1:]), key_cache.dtype)
+        cached_v = np.zeros_like(cached_k)
+        cached_k[slots], cached_v[slots] = key_cache[blocks, :, slots % block_size], value_cache[blocks, :, slots % block_size]
         # [past + new, kv_heads, head_dim]
-        keys = np.concatenate([key_cache[blocks, :, slots % block_size], key[begin:end]]).astype(np.float64)
-        values = np.concatenate([value_cache[blocks, :, slots % block_size], value[begin:end]]).astype(np.float64)
+        keys = np.concatenate([cached_k, key[begin:end]]).astype(np.float64)
+        values = np.concatenate([cached_v, value[begin:end]]).astype(np.float64)
         keys, values = np.repeat(keys, groups, axis=1), np.repeat(values, groups, axis=1)
         q = query[begin:end].astype(np.float64)
         scores = np.einsum("qhd,khd->hqk", q, keys) * scale
         new = end - begin
-        visible = np.arange(past + new)[None, :] <= past + np.arange(new)[:, None]
+        distance = past + np.arange(new)[:, None] - np.arange(past + new)[None, :]
+        visible = (distance >= 0) & (distance < window if window else True)
         scores = np.where(visible[None], scores, -np.inf)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = np.exp(scores)

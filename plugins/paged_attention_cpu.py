@@ -56,8 +56,9 @@ class StepLayout:
 
     batch: PagedBatch
     items: np.ndarray                        # the kernel's work: [items, 4] (seq, first, end, kv head)
-    dense: list[tuple[slice, dict[str, np.ndarray]]]  # per dense sequence: its packed rows, and
-                                                      # the dense form's plan inputs
+    # By attention window (0: full), per dense sequence: its packed rows and the dense form's
+    # plan inputs (a window changes the mask and which blocks are gathered).
+    dense: dict[int, list[tuple[slice, dict[str, np.ndarray]]]]
 
 
 class CpuPagedAttention:
@@ -81,25 +82,32 @@ class CpuPagedAttention:
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
 
-    def layout(self, batch: PagedBatch) -> StepLayout:
-        """Split the step's sequences between the two paths."""
+    def layout(self, batch: PagedBatch, windows: tuple[int, ...] = (0,)) -> StepLayout:
+        """Split the step's sequences between the two paths.
+
+        Args:
+            batch: the step's block tables, past lengths and packed offsets.
+            windows: every attention window the layers use (0: full attention).
+        """
         starts = batch.query_start_loc.astype(np.int64)
         counts = np.diff(starts)
         dense = np.flatnonzero(counts >= DENSE_MIN_TOKENS)
         items = work_items(starts, self.num_kv_heads, np.flatnonzero(counts < DENSE_MIN_TOKENS))
         # One dense call per sequence: packed together, each would score the others' keys too.
-        plans = [(slice(starts[s], starts[s + 1]),
-                  plan_step(PagedBatch(batch.block_tables[s:s + 1], batch.context_lens[s:s + 1],
-                                       np.array([0, counts[s]])), self.block_size).feeds())
-                 for s in dense]
+        plans = {window: [(slice(starts[s], starts[s + 1]),
+                           plan_step(PagedBatch(batch.block_tables[s:s + 1], batch.context_lens[s:s + 1],
+                                                np.array([0, counts[s]])), self.block_size, window=window).feeds())
+                          for s in dense]
+                 for window in set(windows)}
         return StepLayout(PagedBatch(np.ascontiguousarray(batch.block_tables, np.int64),
                                      np.ascontiguousarray(batch.context_lens, np.int64), starts),
                           items, plans)
 
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cache: np.ndarray,
-                 value_cache: np.ndarray, layout: StepLayout, scale: float | None = None) -> np.ndarray:
+                 value_cache: np.ndarray, layout: StepLayout, scale: float | None = None,
+                 window: int = 0) -> np.ndarray:
         """[tokens, heads, head_dim] float32 attention of the packed tokens (inputs as in the op's
-        contract, already checked; the pool in `kv_dtype`)."""
+        contract, already checked; the pool in `kv_dtype`; `window` one that `layout` was given)."""
         scale = self.head_dim ** -0.5 if scale is None else float(scale)
         query, key, value = (np.ascontiguousarray(a, np.float32) for a in (query, key, value))
         key_cache, value_cache = (np.ascontiguousarray(a, self.kv_dtype) for a in (key_cache, value_cache))
@@ -108,13 +116,14 @@ class CpuPagedAttention:
             b = layout.batch
             pool_type = POOL_TYPES[self.kv_dtype]  # the kernel reads float16 as its bits (uint16)
             args = (query, key, value, key_cache.view(pool_type), value_cache.view(pool_type), b.block_tables,
-                    b.context_lens, b.query_start_loc, layout.items, np.float32(scale), output, self.block_size)
+                    b.context_lens, b.query_start_loc, layout.items, np.float32(scale), np.int64(window), output,
+                    self.block_size)
             if self._kernel is None:
                 _attend(*args)  # compiles, or loads from the disk cache, this block size's kernel
                 self._kernel = compiled_entry_point(_attend, args)
             else:
                 self._kernel(*args)
-        for rows, feeds in layout.dense:
+        for rows, feeds in layout.dense[window]:
             (output[rows],) = self._dense_session(scale).run(None, {
                 "query": query[rows], "key": key[rows], "value": value[rows],
                 "key_cache": key_cache, "value_cache": value_cache, **feeds})
@@ -195,7 +204,7 @@ def widen(typingctx, element):
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _attend(query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-            items, scale, output, block_size):  # pragma: no cover — compiled; tested through paged_attention_cpu
+            items, scale, window, output, block_size):  # pragma: no cover — compiled; tested through paged_attention_cpu
     # A compile-time block size lets LLVM unroll the loops over a block's keys: the P·V update
     # then keeps a row's accumulator in registers for a whole block (measured 1.2-1.6x per call).
     block_size = numba.literally(block_size)
@@ -205,8 +214,15 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
         s, first, end, kv_head = items[item, 0], items[item, 1], items[item, 2], items[item, 3]
         past, start = context_lens[s], query_start_loc[s]
         full = past // block_size  # whole past blocks; the rest of the past is in block `full`
+        # A window bounds the block loops: blocks wholly before the tile's first token's window
+        # are skipped (never read: the runtime may have freed them), and score column c is key
+        # position base + c. Rows of later tokens mask the few keys their windows drop.
+        skipped = 0
+        if window > 0:
+            skipped = min(max(0, past + first - start - window + 1) // block_size, full)
+        base = skipped * block_size
         rows = (end - first) * group
-        keys = past + end - start  # keys visible to the tile's last token
+        keys = past + end - start - base  # score columns: keys up to the tile's last token
         q = np.empty((rows, head_dim), np.float32)
         for t in range(first, end):
             for g in range(group):
@@ -219,7 +235,7 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
         # per call when a sequence's blocks lie in random order; no loss when they are in order.
         per_line = 64 // key_cache.itemsize  # pool elements in a 64-byte cache line
         lines = block_size * head_dim // per_line
-        for b in range(full):
+        for b in range(skipped, full):
             kb = key_cache[block_tables[s, b], kv_head]
             if (b + 1) * block_size < past:  # the next block holds past keys (the table may end here)
                 ahead = key_cache[block_tables[s, b + 1], kv_head]
@@ -233,13 +249,13 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                     for d in range(head_dim):
                         acc0 += q[r, d] * widen(kb[o, d])
                         acc1 += q[r + 1, d] * widen(kb[o, d])
-                    scores[r, b * block_size + o] = acc0
-                    scores[r + 1, b * block_size + o] = acc1
+                    scores[r, b * block_size + o - base] = acc0
+                    scores[r + 1, b * block_size + o - base] = acc1
                 if rows % 2:
                     acc = np.float32(0.0)
                     for d in range(head_dim):
                         acc += q[rows - 1, d] * widen(kb[o, d])
-                    scores[rows - 1, b * block_size + o] = acc
+                    scores[rows - 1, b * block_size + o - base] = acc
         if full * block_size < past:
             kb = key_cache[block_tables[s, full], kv_head]
             for r in range(rows):
@@ -247,28 +263,33 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                     acc = np.float32(0.0)
                     for d in range(head_dim):
                         acc += q[r, d] * widen(kb[o, d])
-                    scores[r, full * block_size + o] = acc
+                    scores[r, full * block_size + o - base] = acc
         for i in range(end - start):
             for r in range(rows):
                 acc = np.float32(0.0)
                 for d in range(head_dim):
                     acc += q[r, d] * key[start + i, kv_head, d]
-                scores[r, past + i] = acc
+                scores[r, past + i - base] = acc
         # Softmax over each row's visible keys (its sequence's past and its new tokens up to
         # itself), left unnormalized: the output rows are divided by the sums at the end.
         totals = np.empty(rows, np.float32)
         bits = np.empty(keys, np.int32)
         powers = bits.view(np.float32)
         for r in range(rows):
-            visible = past + first + r // group - start + 1
-            top = scores[r, 0]
-            for j in range(1, visible):
+            visible = past + first + r // group - start + 1 - base  # columns up to the row's token
+            lowest = 0  # its first column in the window
+            if window > 0:
+                lowest = max(0, visible - window)
+            for j in range(lowest):
+                scores[r, j] = 0.0
+            top = scores[r, lowest]
+            for j in range(lowest + 1, visible):
                 if scores[r, j] > top:
                     top = scores[r, j]
             # exp(x - top) = 2^y for y = (x - top)·log2(e): 2^floor(y) built from its exponent
             # bits, 2^(y - floor(y)) by a degree-5 polynomial (relative error 2e-7). Unlike
             # np.exp, this vectorizes.
-            for j in range(visible):
+            for j in range(lowest, visible):
                 y = max((scores[r, j] - top) * np.float32(1.4426950408889634), np.float32(-126.0))
                 whole = np.floor(y)
                 f = y - whole
@@ -277,7 +298,7 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                                 + np.float32(0.6931546330)) * f + np.float32(0.9999998808)
                 bits[j] = (np.int32(whole) + 127) << 23
             total = np.float32(0.0)
-            for j in range(visible):
+            for j in range(lowest, visible):
                 e = scores[r, j] * powers[j]
                 scores[r, j] = e
                 total += e
@@ -285,11 +306,11 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
             for j in range(visible, keys):
                 scores[r, j] = 0.0
         attended = np.zeros((rows, head_dim), np.float32)
-        if full > 0:
-            opening = value_cache[block_tables[s, 0], kv_head]
+        if full > skipped:
+            opening = value_cache[block_tables[s, skipped], kv_head]
             for line in range(lines):
                 prefetch(opening, line * per_line)
-        for b in range(full):
+        for b in range(skipped, full):
             vb = value_cache[block_tables[s, b], kv_head]
             if b + 1 < full:
                 ahead = value_cache[block_tables[s, b + 1], kv_head]
@@ -299,18 +320,18 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                 for d in range(head_dim):
                     acc = attended[r, d]
                     for o in range(block_size):
-                        acc += scores[r, b * block_size + o] * widen(vb[o, d])
+                        acc += scores[r, b * block_size + o - base] * widen(vb[o, d])
                     attended[r, d] = acc
         if full * block_size < past:
             vb = value_cache[block_tables[s, full], kv_head]
             for r in range(rows):
                 for o in range(past - full * block_size):
-                    p = scores[r, full * block_size + o]
+                    p = scores[r, full * block_size + o - base]
                     for d in range(head_dim):
                         attended[r, d] += p * widen(vb[o, d])
         for i in range(end - start):
             for r in range(rows):
-                p = scores[r, past + i]
+                p = scores[r, past + i - base]
                 for d in range(head_dim):
                     attended[r, d] += p * value[start + i, kv_head, d]
         for t in range(first, end):

@@ -29,7 +29,7 @@ from onnx import TensorProto, helper
 from onnx import defs
 from onnx.defs import OpSchema
 
-from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch
+from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch, first_visible_block
 
 # The step's layout, shared by every layer's node (graph inputs of a paged engine).
 METADATA_INPUTS = [helper.make_tensor_value_info("block_tables", TensorProto.INT64, ["seqs", "max_blocks"]),
@@ -38,15 +38,16 @@ METADATA_INPUTS = [helper.make_tensor_value_info("block_tables", TensorProto.INT
 
 
 def paged_attention_node(query: str, key: str, value: str, key_cache: str, value_cache: str, output: str,
-                         *, name: str, scale: float) -> onnx.NodeProto:
+                         *, name: str, scale: float, window: int = 0) -> onnx.NodeProto:
     """One ``llmc::PagedAttention`` reading the step's layout from `METADATA_INPUTS`.
 
-    The scale is always written: TensorRT plugin attributes have no defaults.
+    Scale and window (0: full attention) are always written: TensorRT plugin attributes have no
+    defaults.
     """
     register()
     layout = [i.name for i in METADATA_INPUTS]
     return helper.make_node(OP_TYPE, [query, key, value, key_cache, value_cache, *layout], [output],
-                            name=name, domain=DOMAIN, scale=float(scale))
+                            name=name, domain=DOMAIN, scale=float(scale), window=int(window))
 
 
 def register() -> None:
@@ -64,7 +65,9 @@ def register() -> None:
         + [OpSchema.FormalParameter(i.name, "I") for i in METADATA_INPUTS],
         outputs=[OpSchema.FormalParameter("output", "T")],
         type_constraints=[("T", floats, ""), ("C", floats, ""), ("I", ["tensor(int32)", "tensor(int64)"], "")],
-        attributes=[OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "", required=True)])
+        # window is optional: engines built before sliding windows have none (full attention).
+        attributes=[OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "", required=True),
+                    OpSchema.Attribute("window", OpSchema.AttrType.INT, "", required=False)])
     schema.set_type_and_shape_inference_function(_like_query)
     defs.register_schema(schema)
 
@@ -90,28 +93,35 @@ class StepPlan:
         return dict(zip(PLAN_INPUTS, (self.block_ids, self.mask)))
 
 
-def plan_step(batch: PagedBatch, block_size: int, dtype=np.float32) -> StepPlan:
+def plan_step(batch: PagedBatch, block_size: int, dtype=np.float32, window: int = 0) -> StepPlan:
     """Derive the lowering's block list and mask from the op's metadata inputs.
 
     Args:
         batch: block tables, past lengths and packed offsets of the step.
         block_size: tokens per pool block.
         dtype: the attention dtype (the mask's fill is its lowest finite value).
+        window: the attention window (0: full); only blocks some new token sees are gathered.
     """
     starts = batch.query_start_loc.astype(np.int64)
     tokens = int(starts[-1])
-    used = -(-batch.context_lens.astype(np.int64) // block_size)
-    block_ids = np.concatenate([batch.block_tables[s, :used[s]] for s in range(batch.num_seqs)]
+    lens = batch.context_lens.astype(np.int64)
+    used = -(-lens // block_size)
+    skipped = [first_visible_block(int(lens[s]), window, block_size) for s in range(batch.num_seqs)]
+    block_ids = np.concatenate([batch.block_tables[s, skipped[s]:used[s]] for s in range(batch.num_seqs)]
                                + [np.zeros(0, np.int64)]).astype(np.int64)
     past_width = len(block_ids) * block_size
     visible = np.zeros((tokens, past_width + tokens), bool)
     past_offset = 0
     for s in range(batch.num_seqs):
         rows = slice(starts[s], starts[s + 1])
-        visible[rows, past_offset:past_offset + int(batch.context_lens[s])] = True
-        new = int(starts[s + 1] - starts[s])
-        visible[rows, past_width + starts[s]:past_width + starts[s + 1]] = np.tri(new, dtype=bool)
-        past_offset += int(used[s]) * block_size
+        past, new, base = int(lens[s]), int(starts[s + 1] - starts[s]), skipped[s] * block_size
+        # distance[i, j]: new token i (position past + i) to key position j (cached base…past-1, then new)
+        positions = np.concatenate([np.arange(base, past), past + np.arange(new)])
+        distance = (past + np.arange(new))[:, None] - positions[None, :]
+        seen = (distance >= 0) & ((distance < window) if window else True)
+        visible[rows, past_offset:past_offset + past - base] = seen[:, :past - base]
+        visible[rows, past_width + starts[s]:past_width + starts[s + 1]] = seen[:, past - base:]
+        past_offset += (int(used[s]) - skipped[s]) * block_size
     mask = np.where(visible, 0, np.finfo(dtype).min).astype(dtype)[None, None]
     return StepPlan(block_ids, mask)
 

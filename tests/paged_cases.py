@@ -3,9 +3,14 @@ over random blocks, and the same past laid out densely for the reference compari
 
 import numpy as np
 
+from llmc.plugins.paged_attention import first_visible_block
 
-def build_case(rng, past_lens, new_lens, heads, kv_heads, head_dim, block_size, spare_blocks=3):
-    """Random pool with each sequence's past scattered into random blocks; also the dense K/V."""
+
+def build_case(rng, past_lens, new_lens, heads, kv_heads, head_dim, block_size, spare_blocks=3, window=0):
+    """Random pool with each sequence's past scattered into random blocks; also the dense K/V.
+
+    With a window, table entries of blocks wholly before it are then made garbage (as after the
+    block manager freed them): the op must not read them."""
     blocks_per_seq = [-(-p // block_size) for p in past_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     order = rng.permutation(num_blocks)
@@ -22,6 +27,7 @@ def build_case(rng, past_lens, new_lens, heads, kv_heads, head_dim, block_size, 
         blocks = tables[s, slots // block_size]
         dense_k.append(key_cache[blocks, :, slots % block_size])
         dense_v.append(value_cache[blocks, :, slots % block_size])
+        tables[s, :first_visible_block(past, window, block_size)] = -1_000_000
     total = sum(new_lens)
     query = rng.standard_normal((total, heads, head_dim)).astype(np.float32)
     key = rng.standard_normal((total, kv_heads, head_dim)).astype(np.float32)

@@ -26,19 +26,21 @@ def op(heads, kv_heads, head_dim, block_size, kv_dtype="float32"):
                      min_size=1, max_size=5),
        ratio=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([1, 4, 16, 256]),
        head_dim=st.sampled_from([64, 128]), scale=st.sampled_from([None, 0.05]),
-       kv_dtype=st.sampled_from(["float32", "float16"]))
-def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale, kv_dtype):
+       kv_dtype=st.sampled_from(["float32", "float16"]), window=st.sampled_from([0, 0, 1, 5, 16, 40]))
+def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale, kv_dtype, window):
     rng = np.random.default_rng(seed)
     heads = 2 * ratio
-    inputs, _ = build_case(rng, [p for p, _ in lens], [n for _, n in lens], heads, 2, head_dim, block_size)
+    inputs, _ = build_case(rng, [p for p, _ in lens], [n for _, n in lens], heads, 2, head_dim, block_size,
+                           window=window)
     # A float16 pool holds keys and values rounded to float16, and the decoder rounds the step's
     # new ones the same way: the reference gets the rounded values, widened back to float32.
     inputs = (inputs[0], *(a.astype(kv_dtype) for a in inputs[1:5]), *inputs[5:])
     attention = op(heads, 2, head_dim, block_size, kv_dtype)
-    layout = attention.layout(PagedBatch(*inputs[5:]))
-    got = attention(*inputs[:5], layout, scale)
+    layout = attention.layout(PagedBatch(*inputs[5:]), windows=(0, window))
+    got = attention(*inputs[:5], layout, scale, window)
     widened = (inputs[0], *(a.astype(np.float32) for a in inputs[1:5]), *inputs[5:])
-    np.testing.assert_allclose(got, paged_attention_reference(*widened, scale=scale), atol=2e-5, rtol=1e-4)
+    want = paged_attention_reference(*widened, scale=scale, window=window)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 
 def test_layout_sends_decodes_to_the_kernel_and_chunks_to_the_dense_form():
@@ -49,6 +51,19 @@ def test_layout_sends_decodes_to_the_kernel_and_chunks_to_the_dense_form():
     # (sequence, first token, end token, kv head): one item per kv head per tile of new tokens.
     assert QUERY_TILE >= DENSE_MIN_TOKENS - 1
     assert layout.items.tolist() == [[0, 0, 1, 0], [0, 0, 1, 1], [1, 1, 16, 0], [1, 1, 16, 1]]
-    [(rows, feeds)] = layout.dense
+    [(rows, feeds)] = layout.dense[0]
     assert (rows.start, rows.stop) == (16, 16 + DENSE_MIN_TOKENS)
     assert feeds["paged_block_ids"].tolist() == []  # sequence 2 has no past yet
+
+
+def test_dense_form_gathers_only_the_blocks_a_window_sees():
+    # 40 cached tokens in blocks of 16, 20 new tokens, window 10: the first new token (position
+    # 40) sees 31…40, so block 0 (0…15) is never read; blocks 1 and 2 are.
+    batch = PagedBatch(np.array([[7, 3, 5]]), np.array([40]), np.array([0, 20]))
+    layout = CpuPagedAttention(4, 2, 64, 16).layout(batch, windows=(0, 10))
+    assert layout.dense[0][0][1]["paged_block_ids"].tolist() == [7, 3, 5]
+    windowed = layout.dense[10][0][1]
+    assert windowed["paged_block_ids"].tolist() == [3, 5]
+    visible = windowed["paged_mask"][0, 0] == 0  # [20 tokens, 32 cached slots + 20 new]
+    assert visible.sum(axis=1).tolist() == [10] * 20
+    assert np.flatnonzero(visible[0]).tolist() == list(range(15, 24)) + [32]  # positions 31…39, itself

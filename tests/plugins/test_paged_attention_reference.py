@@ -13,14 +13,16 @@ from llmc.errors import LlmcError
 from llmc.plugins.paged_attention import BLOCK_SIZES, paged_attention_reference
 
 
-def dense_attention(q, k, v, past):
-    """torch SDPA over one sequence: q [new, H, D], k/v [past + new, KV, D], causal with offset."""
+def dense_attention(q, k, v, past, window=0):
+    """torch SDPA over one sequence: q [new, H, D], k/v [past + new, KV, D], causal with offset;
+    with a window W, query p sees keys p - W + 1 … p."""
     groups = q.shape[1] // k.shape[1]
     qt = torch.from_numpy(q).double().transpose(0, 1)
     kt = torch.from_numpy(k).double().repeat_interleave(groups, 1).transpose(0, 1)
     vt = torch.from_numpy(v).double().repeat_interleave(groups, 1).transpose(0, 1)
     new, total = q.shape[0], k.shape[0]
-    mask = torch.arange(total)[None, :] <= past + torch.arange(new)[:, None]
+    distance = past + torch.arange(new)[:, None] - torch.arange(total)[None, :]
+    mask = (distance >= 0) & ((distance < window) if window else True)
     out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
     return out.transpose(0, 1).numpy()
 
@@ -29,20 +31,21 @@ def dense_attention(q, k, v, past):
 @given(seed=st.integers(0, 2**32 - 1),
        lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 9)), min_size=1, max_size=5),
        ratio=st.sampled_from([1, 2, 4]), block_size=st.sampled_from(BLOCK_SIZES),
-       head_dim=st.sampled_from([64, 128]))
-def test_reference_equals_dense_attention(seed, lens, ratio, block_size, head_dim):
+       head_dim=st.sampled_from([64, 128]), window=st.sampled_from([0, 1, 3, 16, 33]))
+def test_reference_equals_dense_attention(seed, lens, ratio, block_size, head_dim, window):
     rng = np.random.default_rng(seed)
     past_lens, new_lens = [p for p, _ in lens], [n for _, n in lens]
-    inputs, (dense_k, dense_v) = build_case(rng, past_lens, new_lens, 2 * ratio, 2, head_dim, block_size)
+    inputs, (dense_k, dense_v) = build_case(rng, past_lens, new_lens, 2 * ratio, 2, head_dim, block_size,
+                                            window=window)
     query, key, value, *_, starts = inputs
-    got = paged_attention_reference(*inputs)
+    got = paged_attention_reference(*inputs, window=window)
     assert got.shape == query.shape and got.dtype == np.float32
     for s, past in enumerate(past_lens):
         begin, end = starts[s], starts[s + 1]
         if begin == end:
             continue
         want = dense_attention(query[begin:end], np.concatenate([dense_k[s], key[begin:end]]),
-                               np.concatenate([dense_v[s], value[begin:end]]), past)
+                               np.concatenate([dense_v[s], value[begin:end]]), past, window)
         np.testing.assert_allclose(got[begin:end], want, atol=1e-5, rtol=1e-5)
 
 
@@ -58,6 +61,21 @@ def test_decode_tokens_and_prefill_chunks_mix_in_one_call():
         alone = paged_attention_reference(query[rows], key[rows], value[rows], kc, vc, tables[s:s + 1],
                                           past[s:s + 1], np.array([0, starts[s + 1] - starts[s]]))
         np.testing.assert_array_equal(whole[rows], alone)
+
+
+def test_window_limits_each_token_to_its_last_keys():
+    """A window of 1 leaves each token only itself: the output is its own value, whatever the past."""
+    rng = np.random.default_rng(3)
+    inputs, _ = build_case(rng, past_lens=[9, 0], new_lens=[3, 2], heads=4, kv_heads=2, head_dim=64,
+                           block_size=4, window=1)
+    out = paged_attention_reference(*inputs, window=1)
+    np.testing.assert_allclose(out, np.repeat(inputs[2], 2, axis=1), atol=1e-6)
+
+
+def test_stale_table_entries_before_the_window_are_read_without_a_window():
+    inputs, _ = build_case(np.random.default_rng(4), [9], [1], 2, 2, 64, 4, window=2)
+    with pytest.raises(LlmcError, match="sequence 0 points at block -1000000 outside the pool"):
+        paged_attention_reference(*inputs)  # full attention reads every past block
 
 
 @pytest.fixture
