@@ -39,6 +39,7 @@ def attend(
     value: torch.Tensor,
     allowed: torch.Tensor,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention with an explicit mask; returns [B, H, S, D].
 
@@ -51,8 +52,11 @@ def attend(
         value: [B, H, T, D].
         allowed: bool [B, 1, S, T] from `allowed_keys`.
         scale: multiplier on q.k, normally 1/sqrt(D).
+        softcap: Gemma 2's soft cap: scores become softcap * tanh(scores / softcap) before masking.
     """
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     # where() instead of adding the mask: adding finfo.min to a very negative score could overflow to -inf.
     scores = torch.where(allowed, scores, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1)

@@ -70,6 +70,15 @@ class DecoderLM(torch.nn.Module):
         """
         return name
 
+    def split_hf_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Our parameters cut out of a fused HF tensor, or None when `name` is not fused.
+
+        Args:
+            name: the tensor's name from `normalize_hf_name`.
+            tensor: the tensor as stored.
+        """
+        return None
+
     @staticmethod
     def hf_transposed(name: str) -> bool:
         """Whether the HF file stores parameter `name` transposed relative to ours.

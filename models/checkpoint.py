@@ -8,6 +8,7 @@ right shape; otherwise a ValueError names the tensor and the file.
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,15 +18,14 @@ import torch
 from safetensors import safe_open
 
 from .base import DecoderLM
+from .decoder import Decoder, DecoderArgs
 from .gpt2 import GPT2, GPT2Args
-from .llama import Llama, LlamaArgs
+from .hf_config import READERS
 from llmc.tokenizer import Tokenizer
 
-# model_type in config.json -> (args class, model class).
+# model_type in config.json -> (args class, model class): the generic decoder's families, and GPT-2.
 FAMILIES: dict[str, tuple[Any, type[DecoderLM]]] = {
-    "llama": (LlamaArgs, Llama),
-    "mistral": (LlamaArgs, Llama),
-    "qwen2": (LlamaArgs, Llama),
+    **{model_type: (DecoderArgs, Decoder) for model_type in READERS},
     "gpt2": (GPT2Args, GPT2),
 }
 
@@ -88,8 +88,10 @@ def build_model(cfg: dict[str, Any], config_path: Path) -> DecoderLM:
     """
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
+        nearest = difflib.get_close_matches(str(model_type), FAMILIES, n=1, cutoff=0.0)
         raise ValueError(
-            f"{config_path}: model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})"
+            f"{config_path}: model_type {model_type!r} is not supported (nearest supported: {nearest[0]}; "
+            f"supported: {', '.join(FAMILIES)})"
         )
     args_cls, model_cls = FAMILIES[model_type]
     try:
@@ -117,28 +119,37 @@ def load_weights(model: DecoderLM, folder: Path) -> None:
                 name = model.normalize_hf_name(hf_name)
                 if name is None or (tied_head and name == "lm_head.weight"):
                     continue  # a buffer, or a stored copy of the tied embedding
-                if name not in params:
-                    raise ValueError(f"{file}: unexpected tensor {hf_name!r}")
-                if name in loaded:
-                    raise ValueError(f"{file}: tensor {hf_name!r} is stored more than once")
                 tensor = f.get_tensor(hf_name)
-                expected = tuple(params[name].shape)
-                if model.hf_transposed(name):
-                    expected = expected[::-1]
-                if tuple(tensor.shape) != expected:
-                    raise ValueError(
-                        f"{file}: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(expected)}"
-                    )
-                if model.hf_transposed(name):
-                    tensor = tensor.t()
-                with torch.no_grad():
-                    params[name].copy_(tensor.to(torch.float32))
-                loaded.add(name)
+                try:
+                    parts = model.split_hf_tensor(name, tensor)  # a fused tensor (e.g. qkv) -> our parameters
+                except ValueError as e:
+                    raise ValueError(f"{file}: {hf_name!r}: {e}") from None
+                for name, tensor in (parts or {name: tensor}).items():
+                    _copy_tensor(params, loaded, model, file, hf_name, name, tensor)
     missing = [model.hf_name(n) for n in params if n not in loaded]
     if missing:
         # A sharded checkpoint's tensor list is its index file.
         where = files[0] if files[0].name == "model.safetensors" else folder / "model.safetensors.index.json"
         raise ValueError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+
+
+def _copy_tensor(params: dict[str, torch.Tensor], loaded: set[str], model: DecoderLM, file: Path,
+                 hf_name: str, name: str, tensor: torch.Tensor) -> None:
+    """Check one tensor against our parameter `name` and copy it in (transposed where HF stores it so)."""
+    if name not in params:
+        raise ValueError(f"{file}: unexpected tensor {hf_name!r}")
+    if name in loaded:
+        raise ValueError(f"{file}: tensor {hf_name!r} is stored more than once")
+    expected = tuple(params[name].shape)
+    if model.hf_transposed(name):
+        expected = expected[::-1]
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{file}: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
+    if model.hf_transposed(name):
+        tensor = tensor.t()
+    with torch.no_grad():
+        params[name].copy_(tensor.to(torch.float32))
+    loaded.add(name)
 
 
 def weight_files(folder: Path) -> list[Path]:

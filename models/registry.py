@@ -14,7 +14,7 @@ from torch import nn
 from . import gpt2, llama
 from .base import DecoderLM
 from .checkpoint import LoadedModel, load_checkpoint
-from .llama import RMSNorm
+from .decoder import RMSNorm
 from llmc.tokenizer import byte_level_tokenizer
 
 # name -> args; the args type picks the model class. All use the 258-token byte-level tokenizer.
@@ -61,10 +61,11 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
     norm_weights = {
         id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, nn.LayerNorm))
     }
+    offset_norms = {id(m.weight): m.offset for m in model.modules() if isinstance(m, RMSNorm)}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if id(param) in norm_weights:
-                param.fill_(1.0)
+                param.fill_(0.0 if offset_norms.get(id(param)) else 1.0)  # Gemma's norms scale by 1 + w
             elif name.endswith(".bias"):
                 param.zero_()
             else:

@@ -92,5 +92,6 @@ def test_qwen2_sliding_window_config() -> None:
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8, sliding_window=4)
     assert LlamaArgs.from_hf_config({**cfg, "use_sliding_window": False}).sliding_window is None
     assert LlamaArgs.from_hf_config({**cfg, "use_sliding_window": True, "max_window_layers": 0}).sliding_window == 4
-    with pytest.raises(ValueError, match="only some layers"):
-        LlamaArgs.from_hf_config({**cfg, "use_sliding_window": True, "max_window_layers": 1})
+    # Qwen2 windows the layers from max_window_layers on: a per-layer window.
+    partial = LlamaArgs.from_hf_config({**cfg, "use_sliding_window": True, "max_window_layers": 1})
+    assert partial.layer_windows == (None, 4)

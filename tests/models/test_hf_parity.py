@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_checkpoints import FAMILIES, hf_model
+from hf_checkpoints import ALL_FAMILIES, hf_model
 from llmc.models import load_checkpoint
 
 ATOL = 1e-4
@@ -82,12 +82,12 @@ def _run_and_compare(folder: Path, prefix_mask: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_prefill_and_decode_match_transformers(hf_checkpoint: Callable[..., Path], family: str, sharded: bool) -> None:
     _run_and_compare(hf_checkpoint(family, sharded), torch.ones(2, 7, dtype=torch.long))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_left_padded_batch_matches_transformers(hf_checkpoint: Callable[..., Path], family: str) -> None:
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, :3] = 0  # row 0: 3 pad tokens on the left
@@ -97,7 +97,7 @@ def test_left_padded_batch_matches_transformers(hf_checkpoint: Callable[..., Pat
 def test_loaded_model_shape_properties(hf_checkpoint: Callable[..., Path]) -> None:
     model = load_checkpoint(hf_checkpoint("mistral")).model
     assert (model.family, model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim) == (
-        "llama", 2, 4, 2, 32,
+        "mistral", 2, 4, 2, 32,
     )
     assert (model.vocab_size, model.max_positions, model.args.sliding_window) == (258, 128, 4)
     assert not model.training
