@@ -129,7 +129,7 @@ class LLM:
     def _generate(self, ids: list[list[int]], params: list[SamplingParams]) -> Iterator[TokenEvent]:
         """Token events from the continuous-batching engine (paged engines) or the dense loop."""
         if not self.paged_decoder:
-            yield from generate_tokens(self._decoder, ids, params, self.tokenizer.eos_id)
+            yield from generate_tokens(self._decoder, ids, params, self.tokenizer.eos_ids)
             return
         from llmc.runtime.engine import Engine
 

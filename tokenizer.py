@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import tokenizers
@@ -26,6 +27,8 @@ class Tokenizer:
         inner: the wrapped `tokenizers.Tokenizer`.
         bos_id: id of the beginning-of-sequence token, or None if the model has none.
         eos_id: id of the end-of-sequence token, or None if the model has none.
+        eos_ids: every id that ends generation (Llama 3 lists several); `eos_id` is always
+            among them, first.
         add_bos: prepend `bos_id` in `encode` (ignored when `bos_id` is None).
         split_special_tokens: encode special-token text found in the input (e.g. a literal
             "</s>") as ordinary text instead of as the special token.
@@ -37,18 +40,22 @@ class Tokenizer:
         *,
         bos_id: int | None = None,
         eos_id: int | None = None,
+        eos_ids: Sequence[int] = (),
         add_bos: bool = False,
         split_special_tokens: bool = False,
     ) -> None:
         size = inner.get_vocab_size(with_added_tokens=True)
-        for field, value in (("bos_id", bos_id), ("eos_id", eos_id)):
-            if value is not None and not 0 <= value < size:
+        # dict.fromkeys: ordered and without repeats, the primary EOS first.
+        all_eos = tuple(dict.fromkeys(i for i in (eos_id, *eos_ids) if i is not None))
+        for field, value in (("bos_id", bos_id), ("eos_id", eos_id), *(("eos_ids", i) for i in all_eos)):
+            if value is not None and not (isinstance(value, int) and 0 <= value < size):
                 raise ValueError(f"tokenizer {field}={value} is outside the vocabulary of size {size}")
         self._inner = inner
         # Not part of tokenizers' own JSON, so it is re-applied from our flag on every load.
         self._inner.encode_special_tokens = split_special_tokens
         self.bos_id = bos_id
-        self.eos_id = eos_id
+        self.eos_id = eos_id if eos_id is not None else (all_eos[0] if all_eos else None)
+        self.eos_ids = all_eos
         self.add_bos = add_bos
         self.split_special_tokens = split_special_tokens
 
@@ -98,6 +105,7 @@ class Tokenizer:
                 "tokenizer": json.loads(self._inner.to_str()),
                 "bos_id": self.bos_id,
                 "eos_id": self.eos_id,
+                "eos_ids": list(self.eos_ids),
                 "add_bos": self.add_bos,
                 "split_special_tokens": self.split_special_tokens,
             }
@@ -120,6 +128,7 @@ class Tokenizer:
             tokenizers.Tokenizer.from_str(json.dumps(data["tokenizer"])),
             bos_id=data.get("bos_id"),
             eos_id=data.get("eos_id"),
+            eos_ids=data.get("eos_ids") or (),  # absent from JSON written before several EOS ids
             add_bos=bool(data.get("add_bos", False)),
             split_special_tokens=bool(data.get("split_special_tokens", False)),
         )
@@ -129,7 +138,9 @@ class Tokenizer:
         """Load a Hugging Face tokenizer folder.
 
         Reads `tokenizer.json`; BOS/EOS come from `tokenizer_config.json` (`bos_token`,
-        `eos_token`) or else from `config.json` (`bos_token_id`, `eos_token_id`).
+        `eos_token`) or else from `config.json` (`bos_token_id`, `eos_token_id`). Every id in
+        `eos_token_id` of `config.json` and `generation_config.json` (an int or a list) also
+        ends generation.
 
         Args:
             path: folder holding `tokenizer.json` (usually the checkpoint folder).
@@ -147,6 +158,9 @@ class Tokenizer:
 
         bos_id = _special_id(inner, tok_config, "bos_token", model_config, "bos_token_id", folder)
         eos_id = _special_id(inner, tok_config, "eos_token", model_config, "eos_token_id", folder)
+        eos_ids = [*_id_list(model_config, folder / "config.json"),
+                   *_id_list(_read_json_if_exists(folder / "generation_config.json"),
+                             folder / "generation_config.json")]
         if "add_bos_token" in tok_config:
             add_bos = bool(tok_config["add_bos_token"])
         else:
@@ -159,6 +173,7 @@ class Tokenizer:
                 inner,
                 bos_id=bos_id,
                 eos_id=eos_id,
+                eos_ids=eos_ids,
                 add_bos=add_bos,
                 split_special_tokens=bool(tok_config.get("split_special_tokens", False)),
             )
@@ -229,6 +244,15 @@ def _read_json_if_exists(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     return data
+
+
+def _id_list(config: dict[str, Any], path: Path) -> list[int]:
+    """The `eos_token_id` entry of a config file as a list (it may be an int, a list or absent)."""
+    value = config.get("eos_token_id")
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+    return values
 
 
 def _special_id(

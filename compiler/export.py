@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import warnings
@@ -89,9 +90,12 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     progress(f"exporting {loaded.name}: {geometry.num_layers} layers, {geometry.num_heads} heads, "
              f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}")
     proto = _to_onnx(loaded.model, geometry)
-    window = getattr(loaded.model.args, "sliding_window", None)
-    metadata = {**geometry_metadata(geometry, window), TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(),
-                "llmc.source_model": loaded.name}
+    # One window for every layer, or one per layer (Gemma 2/3, Qwen2's max_window_layers), 0 = full.
+    windows = [w or 0 for w in getattr(loaded.model.args, "layer_windows", ())]
+    uniform = len(set(windows)) <= 1
+    metadata = {**geometry_metadata(geometry, (windows[0] or None) if windows and uniform else None),
+                TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(), "llmc.source_model": loaded.name,
+                **({} if uniform else {"llmc.layer_windows": json.dumps(windows)})}
     onnx.helper.set_model_props(proto, metadata)
     save_onnx(proto, output)
     if not check:

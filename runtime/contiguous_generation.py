@@ -7,7 +7,7 @@ new token. This is the simple, obviously-correct path that later runtimes must m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Collection, Iterator, Sequence
 
 import numpy as np
 
@@ -26,14 +26,14 @@ class TokenEvent:
 
 
 def generate_tokens(decoder: OnnxRuntimeDecoder, prompts: Sequence[Sequence[int]],
-                    params: Sequence[SamplingParams], eos_id: int | None) -> Iterator[TokenEvent]:
+                    params: Sequence[SamplingParams], eos_ids: Collection[int]) -> Iterator[TokenEvent]:
     """Generate for a batch of tokenized prompts, yielding tokens as they are produced.
 
     Args:
         decoder: the backend running one step of the graph.
         prompts: token ids per request, each non-empty and shorter than the model's positions.
         params: sampling settings per request.
-        eos_id: the tokenizer's end-of-sequence id, if it has one.
+        eos_ids: the tokenizer's end-of-sequence ids (any of them ends a request).
     """
     batch = len(prompts)
     width = max(len(p) for p in prompts)
@@ -60,7 +60,7 @@ def generate_tokens(decoder: OnnxRuntimeDecoder, prompts: Sequence[Sequence[int]
             outputs[row].append(token)
             next_ids[row, 0] = token
             generated[row] += 1
-            reason = finish_reason(token, generated[row], budgets[row], params[row], eos_id)
+            reason = finish_reason(token, generated[row], budgets[row], params[row], eos_ids)
             if reason:
                 running.discard(row)
             yield TokenEvent(row, token, reason)
@@ -69,8 +69,8 @@ def generate_tokens(decoder: OnnxRuntimeDecoder, prompts: Sequence[Sequence[int]
 
 
 def finish_reason(token: int, generated: int, budget: int, params: SamplingParams,
-                   eos_id: int | None) -> str | None:
-    if token in params.stop_token_ids or (token == eos_id and not params.ignore_eos):
+                   eos_ids: Collection[int]) -> str | None:
+    if token in params.stop_token_ids or (token in eos_ids and not params.ignore_eos):
         return "stop"
     if generated >= budget:
         return "length"

@@ -139,7 +139,7 @@ class Engine:
     def _emit(self, request: Request, token: int) -> RequestOutput:
         params = request.params
         budget = min(params.max_new_tokens, self.decoder.max_seq_len - len(request.prompt_ids))
-        reason = finish_reason(token, len(request.output_ids), budget, params, self.llm.tokenizer.eos_id)
+        reason = finish_reason(token, len(request.output_ids), budget, params, self.llm.tokenizer.eos_ids)
         text = self.llm.tokenizer.decode(request.output_ids)
         for stop in params.stop:
             at = text.find(stop)

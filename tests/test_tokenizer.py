@@ -66,7 +66,7 @@ def test_from_folder_reads_ids_from_config_json(tmp_path: Path) -> None:
     byte_level_tokenizer().inner.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 256, "eos_token_id": [257, 10]}))
     tok = Tokenizer.from_folder(tmp_path)
-    assert (tok.bos_id, tok.eos_id) == (256, 257)
+    assert (tok.bos_id, tok.eos_id, tok.eos_ids) == (256, 257, (257, 10))
     assert not tok.add_bos  # neither the config nor the post-processor asks for BOS
     assert tok.encode("hi") == [104, 105]
 
@@ -87,3 +87,27 @@ def test_from_folder_errors(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>"}))
     with pytest.raises(ValueError, match="tokenizer_config.json.*'<bos>'"):
         Tokenizer.from_folder(tmp_path)
+
+
+def test_eos_ids_come_from_config_and_generation_config(tmp_path: Path) -> None:
+    byte_level_tokenizer().save(tmp_path)  # tokenizer_config.json names </s> (257) as eos_token
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [257, 10]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [10, 33]}))
+    tok = Tokenizer.from_folder(tmp_path)
+    assert (tok.eos_id, tok.eos_ids) == (257, (257, 10, 33))  # primary first, no repeats
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert Tokenizer.from_folder(tmp_path).eos_ids == (257, 10, 5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be an int or a list"):
+        Tokenizer.from_folder(tmp_path)
+
+
+def test_eos_ids_survive_json_and_old_json_still_loads() -> None:
+    tok = byte_level_tokenizer()
+    several = Tokenizer(tok.inner, bos_id=256, eos_id=257, eos_ids=(257, 10))
+    assert Tokenizer.from_json(several.to_json()).eos_ids == (257, 10)
+    old = json.loads(tok.to_json())
+    del old["eos_ids"]  # the format before several EOS ids
+    assert Tokenizer.from_json(json.dumps(old)).eos_ids == (257,)
+    with pytest.raises(ValueError, match="eos_ids=300 is outside the vocabulary"):
+        Tokenizer(tok.inner, eos_id=257, eos_ids=(300,))
