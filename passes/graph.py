@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from llmc.compiler.onnx_io import tensor_array
+
 # Ops whose outputs differ from run to run: never folded or merged. Dropout is random when its
 # training_mode input is set.
 NONDETERMINISTIC_OPS = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike",
@@ -67,7 +69,7 @@ class Graph:
     def constant(self, name: str) -> np.ndarray | None:
         """The value of `name` if it is an initializer or a Constant node's output."""
         if name in self.initializers:
-            return numpy_helper.to_array(self.initializers[name])
+            return tensor_array(self.initializers[name])  # memory-mapped past 2 GB
         node = self.producer.get(name)
         if node is not None and node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
             attr = node.attribute[0]
@@ -149,9 +151,14 @@ class Graph:
 
     def conflicts(self, rewrite: Rewrite, claimed: set[int]) -> bool:
         """True if `rewrite` overlaps an accepted one or would orphan a value read elsewhere."""
+        return self.conflict(rewrite, claimed) is not None
+
+    def conflict(self, rewrite: Rewrite, claimed: set[int]) -> str | None:
+        """Why `rewrite` cannot join the accepted ones (whose removed nodes are `claimed`), or None:
+        it overlaps one of them, or a value it removes is read outside the match."""
         removed = {id(n) for n in rewrite.remove}
         if removed & claimed:
-            return True
+            return "overlaps another match"
         kept = {name for node in rewrite.add for name in node.output}
         kept |= {tensor.name for tensor in rewrite.initializers}  # a value replaced by a constant
         for node in rewrite.remove:
@@ -159,11 +166,11 @@ class Graph:
                 if not name or name in kept:
                     continue
                 if name in self.outputs:
-                    return True
+                    return f"'{name}' inside the match is a graph output"
                 if any(id(user) not in removed and not self._feeds_only(user, removed)
                        for user in self.consumers.get(name, [])):
-                    return True
-        return False
+                    return f"'{name}' inside the match is read elsewhere"
+        return None
 
     def _feeds_only(self, node: onnx.NodeProto, removed: set[int], depth: int = 6) -> bool:
         """Whether everything `node` computes is read only by `removed` nodes (directly or
@@ -178,14 +185,64 @@ class Graph:
                     return False
         return True
 
-    def apply(self, rewrites: list[Rewrite]) -> None:
-        """Commit accepted rewrites, then remove dead nodes and initializers and re-sort."""
-        removed = {id(n) for r in rewrites for n in r.remove}
-        nodes = [n for n in self.graph.node if id(n) not in removed]
-        nodes += [n for r in rewrites for n in r.add]
+    def apply(self, rewrites: list[Rewrite]) -> list[tuple[Rewrite, str]]:
+        """Commit rewrites, then remove dead nodes and initializers and re-sort.
+
+        A rewrite whose result would read a value nothing computes any more (say, a new node
+        reading a mask sliced by the shape of a removed tensor) or would close a cycle is not
+        committed: the graph is never left broken. Returns those skipped, each with why.
+        """
+        original = list(self.graph.node)
+        available = self.inputs | set(self.initializers)
+        nodes, problem = self._try(original, rewrites, available)
+        skipped: list[tuple[Rewrite, str]] = []
+        if problem is not None:
+            # Some match breaks the graph: commit them one at a time, keeping the sound ones.
+            nodes, kept = original, []
+            for rewrite in rewrites:
+                trial, problem = self._try(nodes, [rewrite], available)
+                if problem is None:
+                    nodes = trial
+                    kept.append(rewrite)
+                    available |= {t.name for t in rewrite.initializers}
+                else:
+                    skipped.append((rewrite, problem))
+            rewrites = kept
         self.graph.initializer.extend(t for r in rewrites for t in r.initializers)
         self._replace_nodes(nodes)
         self.remove_dead()
+        return skipped
+
+    def _try(self, nodes: list[onnx.NodeProto], rewrites: list[Rewrite],
+             available: set[str]) -> tuple[list[onnx.NodeProto], str | None]:
+        """(live nodes in topological order, None) after `rewrites`, or (_, what would break)."""
+        removed = {id(n) for r in rewrites for n in r.remove}
+        candidate = [n for n in nodes if id(n) not in removed] + [n for r in rewrites for n in r.add]
+        available = available | {t.name for r in rewrites for t in r.initializers}
+        producer: dict[str, onnx.NodeProto] = {}
+        for node in candidate:
+            for name in filter(None, node.output):
+                if name in producer or name in available:
+                    return [], f"'{name}' would be computed twice"
+                producer[name] = node
+        live: set[int] = set()
+        stack, seen = list(self.outputs), set()
+        while stack:
+            name = stack.pop()
+            if not name or name in seen or name in available:
+                continue
+            seen.add(name)
+            node = producer.get(name)
+            if node is None:
+                return [], f"'{name}' would be read but no longer computed"
+            if id(node) not in live:
+                live.add(id(node))
+                stack.extend(list(node.input) + _subgraph_inputs(node))
+        ordered_live = [n for n in candidate if id(n) in live]
+        try:
+            return toposort(ordered_live, available), None
+        except ValueError:
+            return [], "the rewritten graph would have a cycle"
 
     def remove_dead(self) -> int:
         """Drop nodes whose outputs nobody reads and initializers nobody uses; returns nodes dropped."""
