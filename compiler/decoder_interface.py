@@ -4,16 +4,23 @@ The interface is the de-facto standard that Optimum, onnxruntime-genai and `llmc
 inputs ``input_ids``, ``attention_mask``, optional ``position_ids``,
 ``past_key_values.{i}.key|value`` [batch, kv_heads, past, head_dim]; outputs ``logits``
 [batch, seq, vocab] and ``present.{i}.key|value``. Geometry that the interface does not show
-(attention heads, maximum positions) comes from the graph's ``llmc.*`` metadata, written by
-`llmc export`, or from a Hugging Face ``config.json`` beside the file.
+(attention heads, maximum positions, sliding windows) comes from the graph's ``llmc.*``
+metadata, written by `llmc export`, or from a Hugging Face ``config.json`` beside the file.
+
+Sliding windows: ``llmc.sliding_window`` (an int) when every layer has the same window,
+``llmc.layer_windows`` (a JSON list, one int per layer, 0 = full attention) when layers differ
+(Gemma-2/3 alternate local and global layers). A window W lets a token see the last W positions,
+itself included, as transformers' ``sliding_window`` does.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Sequence
 
 import onnx
 
@@ -44,11 +51,20 @@ class DecoderInterface:
     geometry: Geometry
     dtype: str
     has_position_ids: bool
-    sliding_window: int | None = None  # attention limited to the last N keys (Mistral)
+    sliding_window: int | None = None  # every layer's attention limited to the last N keys (Mistral)
+    layer_windows: tuple[int, ...] | None = None  # when layers differ: each one's window, 0 = full
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Each layer's attention window, 0 for full attention."""
+        if self.layer_windows is not None:
+            return self.layer_windows
+        return (self.sliding_window or 0,) * self.geometry.num_layers
 
     def to_dict(self) -> dict:
         return {"geometry": asdict(self.geometry), "dtype": self.dtype,
-                "has_position_ids": self.has_position_ids, "sliding_window": self.sliding_window}
+                "has_position_ids": self.has_position_ids, "sliding_window": self.sliding_window,
+                "layer_windows": None if self.layer_windows is None else list(self.layer_windows)}
 
 
 def recognize_decoder(model: onnx.ModelProto, source: Path) -> DecoderInterface:
@@ -89,14 +105,32 @@ def recognize_decoder(model: onnx.ModelProto, source: Path) -> DecoderInterface:
     if geometry.num_heads % geometry.num_kv_heads:
         raise LlmcError(f"{source}: {geometry.num_heads} attention heads is not a multiple of "
                         f"{geometry.num_kv_heads} kv heads")
+    windows = facts.get("layer_windows")
+    if windows is not None and len(windows) != num_layers:
+        raise LlmcError(f"{source}: {len(windows)} layer windows for {num_layers} layers")
+    if windows is not None and len(set(windows)) == 1:  # one window for all: say it once
+        facts["sliding_window"], windows = windows[0] or None, None
     return DecoderInterface(geometry, _DTYPES[elem_type], "position_ids" in inputs,
-                            facts.get("sliding_window"))
+                            facts.get("sliding_window") or None, None if windows is None else tuple(windows))
 
 
-def geometry_metadata(geometry: Geometry, sliding_window: int | None = None) -> dict[str, str]:
-    """The ``llmc.*`` metadata entries that `recognize_decoder` reads back."""
+def geometry_metadata(geometry: Geometry, sliding_window: int | Sequence[int] | None = None) -> dict[str, str]:
+    """The ``llmc.*`` metadata entries that `recognize_decoder` reads back.
+
+    Args:
+        geometry: the model's geometry.
+        sliding_window: one window for every layer, or one per layer (0: full attention), or None.
+    """
     entries = {"llmc.num_heads": str(geometry.num_heads),
                "llmc.max_positions": str(geometry.max_positions)}
+    if sliding_window is not None and not isinstance(sliding_window, int):
+        windows = [int(w) for w in sliding_window]
+        if len(windows) != geometry.num_layers:
+            raise LlmcError(f"sliding windows: {len(windows)} given for {geometry.num_layers} layers")
+        if len(set(windows)) > 1:
+            entries["llmc.layer_windows"] = json.dumps(windows)
+            return entries
+        sliding_window = windows[0] or None
     if sliding_window is not None:
         entries["llmc.sliding_window"] = str(sliding_window)
     return entries
@@ -121,8 +155,8 @@ def _static_dim(value: onnx.ValueInfoProto, axis: int, fault: str) -> int:
     return dims[axis].dim_value
 
 
-def _geometry_facts(model: onnx.ModelProto, source: Path) -> dict[str, int]:
-    facts: dict[str, int] = {}
+def _geometry_facts(model: onnx.ModelProto, source: Path) -> dict:
+    facts: dict = {}
     config = source.parent / "config.json"
     if config.is_file():
         try:
@@ -135,11 +169,48 @@ def _geometry_facts(model: onnx.ModelProto, source: Path) -> dict[str, int]:
                 if isinstance(hf.get(name), int):
                     facts[key] = hf[name]
                     break
-        # Mistral windows every layer; Qwen2 only when use_sliding_window says so.
-        if isinstance(hf.get("sliding_window"), int) and hf.get("use_sliding_window", True):
-            facts["sliding_window"] = hf["sliding_window"]
+        windows = _config_windows(hf)
+        if windows is not None:
+            facts["layer_windows"] = windows
     # The graph's own metadata wins over a config file that may belong to another export.
     for prop in model.metadata_props:
         if prop.key in ("llmc.num_heads", "llmc.max_positions", "llmc.sliding_window"):
             facts[prop.key.removeprefix("llmc.")] = int(prop.value)
+            if prop.key == "llmc.sliding_window":
+                facts.pop("layer_windows", None)
+        elif prop.key == "llmc.layer_windows":
+            try:
+                windows = json.loads(prop.value)
+                facts["layer_windows"] = [operator.index(w) for w in windows]
+            except (json.JSONDecodeError, TypeError):
+                raise LlmcError(f"{source}: metadata llmc.layer_windows is not a list of ints: "
+                                f"{prop.value[:80]}") from None
+            facts.pop("sliding_window", None)
     return facts
+
+
+# Layers that alternate local and global attention in configs written without `layer_types`
+# (transformers' defaults): every n-th layer is global.
+_GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6, "gemma3": 6}
+
+
+def _config_windows(hf: dict) -> list[int] | None:
+    """Each layer's window from a Hugging Face config (0: full attention); None without windows.
+
+    transformers 5 writes `layer_types` ("sliding_attention" / "full_attention") for the
+    families that mix them (Qwen2, Gemma-2/3); Mistral's `sliding_window` covers every layer;
+    Qwen2 windows only when `use_sliding_window`, and then only layers from `max_window_layers`.
+    """
+    window, layers = hf.get("sliding_window"), hf.get("num_hidden_layers")
+    if not isinstance(window, int) or window <= 0 or not isinstance(layers, int):
+        return None
+    types = hf.get("layer_types")
+    if isinstance(types, list) and len(types) == layers:
+        return [window if t == "sliding_attention" else 0 for t in types]
+    if hf.get("use_sliding_window", True) is False:
+        return None
+    if hf.get("model_type") in _GLOBAL_EVERY:
+        every = hf.get("sliding_window_pattern") or _GLOBAL_EVERY[hf["model_type"]]
+        return [0 if (i + 1) % every == 0 else window for i in range(layers)]
+    first = hf.get("max_window_layers", 0) if "use_sliding_window" in hf else 0
+    return [window if i >= first else 0 for i in range(layers)]

@@ -82,15 +82,19 @@ def plan_pool(options: PagedOptions, interface: DecoderInterface) -> dict:
                             f"{options.block_size} tokens, fewer than the {per_sequence} blocks one sequence "
                             f"of {max_seq_len} tokens needs")
     return {**asdict(options), "kv_dtype": kv_dtype, "max_seq_len": max_seq_len, "num_blocks": num_blocks,
-            "pool_mb": round(num_blocks * block_bytes / 2**20, 3)}
+            "pool_mb": round(num_blocks * block_bytes / 2**20, 3), "window": reusable_window(interface.windows)}
+
+
+def reusable_window(windows: tuple[int, ...]) -> int | None:
+    """Positions any layer still reads behind a sequence's next token, when every layer has a
+    window (the block manager frees blocks wholly behind it); None when some layer attends to the
+    whole past (Gemma-2/3's global layers, every Llama layer): then no block can ever be freed."""
+    return max(windows) if windows and all(windows) else None
 
 
 def lower(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOptions) -> str | None:
     """Lower the optimized graph to the paged interface; returns why not, when it can't be."""
-    if interface.sliding_window is not None:
-        return (f"sliding-window attention (window {interface.sliding_window}) is not expressible "
-                "with llmc::paged_attention yet")
     if not interface.has_position_ids:
         return "the graph has no position_ids input"
-    LowerPagedAttention(options.block_size, options.kv_dtype).run(model)
+    LowerPagedAttention(options.block_size, options.kv_dtype, interface.windows).run(model)
     return None

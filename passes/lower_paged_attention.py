@@ -21,12 +21,19 @@ start, and the paged op knows. Each Attention becomes one ``PagedAttention`` nod
 (runtime/backends/paged_onnxruntime.py), TensorRT as a plugin. The attention mask and its
 subgraph die with the old interface.
 
+Sliding windows: the fused Attention's mask is dropped with the old interface, so a layer's window
+(Mistral, Gemma-2/3's local layers) comes from the model's metadata (`DecoderInterface.windows`)
+and becomes its PagedAttention's ``window`` attribute. Layer i's Attention is the one that reads
+``past_key_values.{i}.key``.
+
 Preconditions: run last, after attention-3d-layout. A layer whose attention was not
 canonicalized is an error naming it: silently leaving a dense attention behind would attend
 across sequences.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import onnx
@@ -42,11 +49,17 @@ from llmc.plugins.paged_attention_onnx import METADATA_INPUTS, paged_attention_n
 class LowerPagedAttention(Pass):
     name = "lower-paged-attention"
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str | None = None):
-        """kv_dtype: the pool inputs' element type ("float16", "float32"); None: the model's."""
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str | None = None,
+                 windows: Sequence[int] | None = None):
+        """Args:
+            block_size: tokens per pool block.
+            kv_dtype: the pool inputs' element type ("float16", "float32"); None: the model's.
+            windows: each layer's attention window, 0 for full attention; None: all full.
+        """
         if block_size not in BLOCK_SIZES:
             raise LlmcError(f"--block-size: {block_size} is not supported (powers of two from 1 to 256)")
         self.block_size, self.kv_dtype = block_size, kv_dtype
+        self.windows = None if windows is None else tuple(windows)
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         graph = Graph(model)
@@ -54,6 +67,9 @@ class LowerPagedAttention(Pass):
         layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
         if "position_ids" not in inputs:
             raise LlmcError("paged lowering: the graph has no position_ids input")
+        windows = self.windows or (0,) * layers
+        if len(windows) != layers:
+            raise LlmcError(f"paged lowering: {len(windows)} layer windows for a graph of {layers} layers")
         attentions = {}
         for node in model.graph.node:
             if node.op_type == "Attention" and node.domain in DEFAULT_DOMAINS and len(node.input) >= 6:
@@ -76,7 +92,8 @@ class LowerPagedAttention(Pass):
         for layer in range(layers):
             attention = attentions[layer]
             heads = attr(attention, "q_num_heads")
-            nodes_, constants_, attended_ = self._lower(attention, layer, heads, kv_heads, head_dim, dtype)
+            nodes_, constants_, attended_ = self._lower(attention, layer, heads, kv_heads, head_dim, dtype,
+                                                        windows[layer])
             nodes += nodes_
             constants += constants_
             attended.append(attended_)
@@ -116,7 +133,11 @@ class LowerPagedAttention(Pass):
             if stale & set(node.input):
                 raise LlmcError(f"paged lowering: node '{node.name}' ({node.op_type}) still reads "
                                 f"{sorted(stale & set(node.input))[0]}, which the paged interface drops")
-        return PassResult(model, layers, [f"block size {self.block_size}, {layers} layers"])
+        windowed = sum(1 for w in windows if w)
+        report = f"block size {self.block_size}, {layers} layers" + (
+            f", {windowed} with a sliding window ({', '.join(str(w) for w in sorted(set(windows) - {0}))})"
+            if windowed else "")
+        return PassResult(model, layers, [report])
 
     @staticmethod
     def _select_logit_rows(graph: Graph) -> onnx.NodeProto:
@@ -132,7 +153,7 @@ class LowerPagedAttention(Pass):
         return helper.make_node("Gather", ["logits_all", "logits_rows"], ["logits"], axis=1)
 
     def _lower(self, attention: onnx.NodeProto, layer: int, heads: int, kv_heads: int, head_dim: int,
-               dtype: int):
+               dtype: int, window: int):
         prefix = f"paged.{layer}"
         rows = lambda name, count: helper.make_tensor(name, TensorProto.INT64, [3], [-1, count, head_dim])  # noqa: E731
         flat = helper.make_tensor(f"{prefix}/flat", TensorProto.INT64, [3], [1, -1, heads * head_dim])
@@ -145,7 +166,7 @@ class LowerPagedAttention(Pass):
                  paged_attention_node(f"{prefix}/q", f"new_key.{layer}", f"new_value.{layer}",
                                       f"key_cache.{layer}", f"value_cache.{layer}", f"{prefix}/out",
                                       name=f"{prefix}/PagedAttention",
-                                      scale=head_dim ** -0.5 if scale is None else scale),
+                                      scale=head_dim ** -0.5 if scale is None else scale, window=window),
                  helper.make_node("Reshape", [f"{prefix}/out", f"{prefix}/flat"], [attention.output[0]])]
         attended = helper.make_tensor_value_info(f"{prefix}/out", dtype, ["tokens", heads, head_dim])
         return nodes, constants, attended

@@ -19,6 +19,13 @@ including a partial last block. The first of them to append into a shared partia
 fresh block and a (src, dst) copy for the runtime to perform before the step; full blocks are
 never written again, so they are never copied.
 
+Sliding windows. When every layer of the model attends only to its last `window` positions
+(Mistral), a block whose slots all lie more than `window - 1` positions behind a sequence's next
+token to compute is never read again: `mark_computed` releases it as the sequence grows, and its
+block-table entry becomes None (the paged-attention op never reads entries behind the window).
+When some layer attends to the whole past (Gemma-2/3's global layers, any Llama) no block can be
+released early: the manager is built without a window.
+
 Free-list order. Free blocks wait in two queues; `free_block_ids()` lists them in the order new
 blocks are taken:
   1. blocks holding no cached content, first in first out: initially 0, 1, …, num_blocks-1;
@@ -74,10 +81,11 @@ class BlockStats:
 @dataclass
 class _Sequence:
     tokens: list[int]
-    table: list[int]
+    table: list[int | None]  # None: released behind the sliding window
     hashes: list[bytes]  # chained hash of each full block, in table order
     registered: int = 0  # leading full blocks already offered to the prefix cache
     computed: int = 0  # tokens whose keys and values the runtime reported written
+    released: int = 0  # leading blocks released behind the sliding window
 
 
 def _chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -90,16 +98,21 @@ class BlockManager:
     Args:
         num_blocks: blocks in the KV pool (≥ 1).
         block_size: token slots per block (≥ 1).
+        window: positions any layer reads behind (and including) a token, when every layer has a
+            sliding window; blocks wholly behind it are released as sequences grow. None: keep
+            every block until the sequence is freed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise LlmcError(f"block manager: num_blocks must be an integer ≥ 1, "
                             f"got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise LlmcError(f"block manager: block_size must be an integer ≥ 1, "
                             f"got {block_size!r}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise LlmcError(f"block manager: window must be an integer ≥ 1 or None, got {window!r}")
+        self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
         self._ref = [0] * num_blocks
         self._fill = [0] * num_blocks  # token slots written (or about to be) in each block
         self._hash: list[bytes | None] = [None] * num_blocks  # set only while registered
@@ -121,8 +134,9 @@ class BlockManager:
         """Free block ids in the order new blocks will be taken (see the module docstring)."""
         return [*self._free, *self._cached_free]
 
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        """The pool block of each of the sequence's blocks, in order (a copy)."""
+    def block_table(self, seq_id: Hashable) -> list[int | None]:
+        """The pool block of each of the sequence's blocks, in order (a copy); None for blocks
+        released behind the sliding window."""
         return list(self._seq(seq_id).table)
 
     def num_tokens(self, seq_id: Hashable) -> int:
@@ -241,6 +255,7 @@ class BlockManager:
 
         Its full blocks among them become reusable by other requests' prompts. Call after each
         step that wrote the sequence's slots; a block is never offered before it is written.
+        With a window, blocks that the next token's window no longer reaches are released.
         """
         seq = self._seq(seq_id)
         if not isinstance(num_tokens, int) or not 0 <= num_tokens <= len(seq.tokens):
@@ -256,6 +271,13 @@ class BlockManager:
                 self._hash[block] = h
                 self._content[block] = tuple(seq.tokens[i * size:(i + 1) * size])
         seq.registered = max(seq.registered, seq.computed // size)
+        if self.window is not None:
+            # The next token, at position `computed`, reads positions computed - window + 1 on.
+            behind = max(0, seq.computed - self.window + 1) // size
+            for i in range(seq.released, behind):
+                self._release(seq.table[i])
+                seq.table[i] = None
+            seq.released = max(seq.released, behind)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Make child_id a sequence sharing every block of parent_id (e.g. parallel samples).
@@ -265,23 +287,27 @@ class BlockManager:
         parent = self._seq(parent_id)
         if child_id in self._seqs:
             raise LlmcError(f"block manager: sequence {child_id!r} is already allocated")
-        for block in parent.table:
+        for block in parent.table[parent.released:]:
             self._ref[block] += 1
-        self._seqs[child_id] = _Sequence(list(parent.tokens), list(parent.table),
-                                         list(parent.hashes), parent.registered, parent.computed)
+        self._seqs[child_id] = _Sequence(list(parent.tokens), list(parent.table), list(parent.hashes),
+                                         parent.registered, parent.computed, parent.released)
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's blocks, last block first; cached ones stay until evicted."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
-        for block in reversed(seq.table):
-            self._ref[block] -= 1
-            if self._ref[block]:
-                continue
-            if self._hash[block] is None:
-                self._free.append(block)
-            else:
-                self._cached_free[block] = None
+        for block in reversed(seq.table[seq.released:]):
+            self._release(block)
+
+    def _release(self, block: int) -> None:
+        """Drop one reference; a block no sequence holds joins its free queue."""
+        self._ref[block] -= 1
+        if self._ref[block]:
+            return
+        if self._hash[block] is None:
+            self._free.append(block)
+        else:
+            self._cached_free[block] = None
 
     # -- internals ------------------------------------------------------------------------------
 

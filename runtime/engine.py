@@ -51,7 +51,9 @@ class Engine:
                             "expressible paged); Engine needs one")
         self.llm, self.decoder = llm, llm.paged_decoder
         self.config = config or SchedulerConfig(max_num_seqs=paged["max_batch"])
-        self.blocks = BlockManager(paged["num_blocks"], paged["block_size"])
+        # A sliding window on every layer lets blocks behind it be freed (engines built before
+        # sliding windows have no "window": none).
+        self.blocks = BlockManager(paged["num_blocks"], paged["block_size"], paged.get("window"))
         self.scheduler = Scheduler(self.config, self.blocks)
         self.decoder.warm_up(min(self.config.max_num_batched_tokens,
                                  self.config.max_prefill_tokens or self.config.max_num_batched_tokens),
@@ -114,7 +116,8 @@ class Engine:
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(chunks), width), np.int64)
         for row, table in enumerate(tables):
-            block_tables[row, :len(table)] = table
+            # Blocks released behind the window are None: the op never reads their entries.
+            block_tables[row, :len(table)] = [0 if block is None else block for block in table]
         counts = [c.count for c in chunks]
         batch = PagedBatch(block_tables, np.array([c.start for c in chunks], np.int64),
                            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))

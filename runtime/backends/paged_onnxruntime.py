@@ -39,6 +39,7 @@ class Segment:
     outputs: list[str]
     attention: onnx.NodeProto | None
     scale: float | None = None  # the attention's
+    window: int = 0  # the attention's sliding window (0: full attention)
 
 
 def split_at_paged_attention(model: onnx.ModelProto) -> list[Segment]:
@@ -94,7 +95,9 @@ def split_at_paged_attention(model: onnx.ModelProto) -> list[Segment]:
                                   [weights[n] for n in sorted(used & set(weights))]),
                 opset_imports=[o for o in model.opset_import if o.domain != DOMAIN], ir_version=model.ir_version)
         attention = attentions.get(k)
-        segments.append(Segment(sub, inputs, outputs, attention, attention and attr(attention, "scale")))
+        # Engines built before sliding windows have no window attribute: full attention.
+        window = attr(attention, "window", 0) if attention is not None else 0
+        segments.append(Segment(sub, inputs, outputs, attention, attention and attr(attention, "scale"), window))
     return segments
 
 
@@ -148,6 +151,7 @@ class PagedDecoder:
         options = session_options(threads)
         self._unpacked = tempfile.TemporaryDirectory(prefix="llmc-engine-")
         self.segments = split_at_paged_attention(model)
+        self.windows = tuple(seg.window for seg in self.segments if seg.attention is not None)
         self._sessions = [seg.model and open_session(serialize(seg.model), self._unpacked.name, options)
                           for seg in self.segments]
         self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
@@ -173,7 +177,7 @@ class PagedDecoder:
              rows: np.ndarray | None = None) -> np.ndarray:
         """Run one packed step; stores its keys and values; returns the logits of the packed
         `rows` (default: each sequence's last token)."""
-        layout = self.attention.layout(batch)
+        layout = self.attention.layout(batch, self.windows)
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
         values = {"input_ids": tokens[None], "position_ids": positions[None],
                   "logits_rows": np.asarray(rows, np.int64), **self.pools}
@@ -188,7 +192,8 @@ class PagedDecoder:
                 # In the pool's type before attention reads them: a step sees its own keys and
                 # values as every later step will, so outputs do not depend on how prompts are chunked.
                 key, value = (np.ascontiguousarray(a, key_cache.dtype) for a in (key, value))
-                attended = self.attention(query, key, value, key_cache, value_cache, layout, segment.scale)
+                attended = self.attention(query, key, value, key_cache, value_cache, layout, segment.scale,
+                                          segment.window)
                 values[node.output[0]] = attended.astype(query.dtype, copy=False)  # the kernel computes in fp32
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = self._slots(batch)

@@ -65,3 +65,57 @@ def test_bad_paged_options(tiny_llama_onnx, tmp_path, options, message):
     result = llmc("compile", tiny_llama_onnx, "-o", tmp_path / "e.plan", *options)
     assert result.exit_code == 2 and message in result.stderr, result.output
     assert not (tmp_path / "e.plan").exists()
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """The Mistral fixture checkpoint (sliding window 4 on every layer), exported with llmc."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    from llmc.compiler.export import export
+
+    folder = write_hf_checkpoint(tmp_path_factory.mktemp("mistral"), "mistral")
+    onnx_path = tmp_path_factory.mktemp("mistral-onnx") / "model.onnx"
+    export(str(folder), onnx_path)
+    return folder, onnx_path
+
+
+def test_sliding_window_model_compiles_paged_and_matches_transformers(mistral, tmp_path):
+    import torch
+    from hf_checkpoints import hf_model
+
+    from llmc import LLM, SamplingParams
+    from llmc.compiler.build import compile_model
+    from llmc.compiler.paged_engine import PagedOptions
+    from llmc.runtime.engine import Engine
+
+    folder, onnx_path = mistral
+    # Blocks of 2 tokens under a window of 4: blocks fall behind the window and are freed as
+    # sequences grow.
+    paged = compile_model(onnx_path, tmp_path / "paged.plan", paged=PagedOptions(block_size=2, max_batch=4))
+    dense = compile_model(onnx_path, tmp_path / "dense.plan", paged=None)
+    assert paged["paged"]["window"] == 4 and paged["sliding_window"] == 4 and "not_paged" not in paged
+    assert dense["paged"] is None
+    prompts = ["def fibonacci(n):", "import os", "x = [1, 2"]  # all longer than the window
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = Engine.from_file(tmp_path / "paged.plan")
+    ids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
+    got = [[] for _ in prompts]
+    most_held = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[ids[out.request_id]] += out.new_token_ids
+        most_held = max(most_held, engine.blocks.stats.blocks_in_use)
+    # Without freeing, the three sequences would end holding 15 + 11 + 11 blocks of 2 tokens;
+    # with it, each keeps at most the window's blocks and the one being filled.
+    assert most_held <= 3 * 4
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # nothing leaked
+    reference = hf_model(folder)
+    contiguous = LLM(tmp_path / "dense.plan")
+    for completion, tokens in zip(contiguous.generate(prompts, params), got):
+        ids_ = torch.tensor([completion.prompt_token_ids])
+        with torch.no_grad():
+            want = reference.generate(ids_, attention_mask=torch.ones_like(ids_), do_sample=False,
+                                      max_new_tokens=12, eos_token_id=257, pad_token_id=257)
+        assert tokens == want[0, ids_.shape[1]:].tolist()
+        assert tokens == completion.token_ids

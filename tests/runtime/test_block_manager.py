@@ -339,7 +339,8 @@ class RandomRequests(RuleBasedStateMachine):
             table = self.manager.block_table(seq)
             assert len(table) == -(-len(self.tokens[seq]) // BLOCK_SIZE)
             for block in table:
-                holders[block] += 1
+                if block is not None:  # released behind a sliding window
+                    holders[block] += 1
         assert refs(self.manager) == holders
         free = self.manager.free_block_ids()
         assert len(free) == len(set(free)) == self.manager.num_free_blocks
@@ -361,3 +362,84 @@ class RandomRequests(RuleBasedStateMachine):
 
 RandomRequests.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_random_requests = RandomRequests.TestCase
+
+
+def test_blocks_behind_the_window_are_released_as_the_sequence_grows():
+    manager = BlockManager(num_blocks=6, block_size=4, window=5)
+    manager.allocate("a", range(10))
+    assert manager.block_table("a") == [0, 1, 2]
+    manager.mark_computed("a", 10)  # the next token (position 10) reads 6…10: block 0 (0…3) is behind
+    assert manager.block_table("a") == [None, 1, 2]
+    assert refs(manager) == [0, 1, 1, 0, 0, 0]
+    assert manager.free_block_ids() == [3, 4, 5, 0]  # registered (full, computed): evictable cache
+    manager.append_slot("a", 10)
+    manager.mark_computed("a", 11)  # reads 7…11: block 1 (4…7) still needed
+    assert manager.block_table("a") == [None, 1, 2]
+    manager.append_slot("a", 11)
+    manager.mark_computed("a", 12)  # reads 8…12
+    assert manager.block_table("a") == [None, None, 2]
+    manager.append_slot("a", 12)  # slot 12 starts a new block
+    assert manager.block_table("a") == [None, None, 2, 3]
+    assert refs(manager) == [0, 0, 1, 1, 0, 0]
+    assert manager.free_block_ids() == [4, 5, 0, 1]
+    manager.free("a")  # only the blocks it still holds, last first: no double free
+    assert manager.free_block_ids() == [4, 5, 3, 0, 1, 2]
+    assert refs(manager) == [0] * 6
+
+
+def test_released_blocks_stay_cached_for_other_prompts():
+    manager = BlockManager(num_blocks=6, block_size=4, window=2)
+    manager.allocate("a", range(10))
+    manager.mark_computed("a", 10)  # reads 9…10: blocks 0 and 1 are behind
+    assert manager.block_table("a") == [None, None, 2]
+    assert manager.free_block_ids() == [3, 4, 5, 0, 1]
+    assert manager.stats.cached_free_blocks == 2
+    assert manager.allocate("b", range(9)) == 8  # a prefix hit on both released blocks
+    assert manager.block_table("b") == [0, 1, 3]
+    assert refs(manager) == [1, 1, 1, 1, 0, 0]
+
+
+def test_forked_sequences_share_only_the_blocks_they_still_hold():
+    manager = BlockManager(num_blocks=6, block_size=2, window=2)
+    manager.allocate("a", range(5))
+    manager.mark_computed("a", 5)  # reads 4…5: blocks 0 (0, 1) and 1 (2, 3) are behind
+    manager.fork("a", "b")
+    assert manager.block_table("b") == [None, None, 2]
+    assert refs(manager) == [0, 0, 2, 0, 0, 0]
+    manager.free("a")
+    manager.free("b")
+    assert sorted(manager.free_block_ids()) == list(range(6)) and refs(manager) == [0] * 6
+
+
+def test_window_must_be_positive():
+    with pytest.raises(LlmcError, match="window must be an integer ≥ 1 or None, got 0"):
+        BlockManager(num_blocks=4, block_size=4, window=0)
+
+
+class WindowedRandomRequests(RandomRequests):
+    """The same random traffic with every layer windowed: blocks are released behind the window
+    as sequences grow, and every sequence still reads back its own prefixes in its window."""
+
+    WINDOW = 3
+
+    def __init__(self):
+        super().__init__()
+        self.manager = BlockManager(num_blocks=10, block_size=BLOCK_SIZE, window=self.WINDOW)
+
+    @rule()
+    def step(self):
+        super().step()
+        for seq, tokens in self.tokens.items():
+            behind = max(0, len(tokens) - self.WINDOW + 1) // BLOCK_SIZE
+            table = self.manager.block_table(seq)
+            assert table[:behind] == [None] * behind and None not in table[behind:]
+
+    def _check_reads(self, seq):
+        tokens, table = self.tokens[seq], self.manager.block_table(seq)
+        # The next token reads positions written - WINDOW + 1 on; those must be its own.
+        for p in range(max(0, self.written[seq] - self.WINDOW + 1), self.written[seq]):
+            assert self.pool.get((table[p // BLOCK_SIZE], p % BLOCK_SIZE)) == tuple(tokens[: p + 1])
+
+
+WindowedRandomRequests.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_windowed_random_requests = WindowedRandomRequests.TestCase

@@ -90,3 +90,18 @@ def test_values_computed_from_weights_alone_stay_with_their_readers(tiny_llama_o
     crossing = [name for s in segments for name in s.outputs if name.endswith(".weight.int8.dq")]
     assert crossing == []
     assert sum(n.op_type == "DequantizeLinear" for s in segments for n in s.model.graph.node) >= 2 * 17
+
+
+def test_each_layer_gets_its_window(tiny_llama_onnx):
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    LowerPagedAttention(16, windows=[4, 0, 4, 0]).run(model)
+    segments = split_at_paged_attention(model)
+    # Layer i's window on the attention that reads layer i's pool.
+    assert [(s.attention.input[3], s.window) for s in segments[:-1]] == [
+        ("key_cache.0", 4), ("key_cache.1", 0), ("key_cache.2", 4), ("key_cache.3", 0)]
+
+
+def test_windows_must_cover_every_layer(tiny_llama_onnx):
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    with pytest.raises(LlmcError, match="paged lowering: 2 layer windows for a graph of 4 layers"):
+        LowerPagedAttention(16, windows=[4, 0]).run(model)
