@@ -56,6 +56,7 @@ class KernelConfig:
     fp32: bool
     num_warps: int
     block_n: int  # keys per inner-loop tile
+    window: int = 0  # sliding window (0: full attention)
 
     @property
     def block_m(self) -> int:
@@ -66,6 +67,7 @@ class KernelConfig:
             "NUM_HEADS": self.num_heads, "NUM_KV_HEADS": self.num_kv_heads,
             "HEAD_DIM": self.head_dim, "BLOCK_SIZE": self.block_size, "SCALE": self.scale,
             "BLOCK_Q": self.block_q, "GROUPS_P2": self.groups_p2, "BLOCK_N": self.block_n,
+            "WINDOW": self.window,
             # fp32 inputs get exact fp32 products; TF32 would miss the reference by ~1e-3.
             "DOT_PRECISION": "ieee" if self.fp32 else "tf32",
         }
@@ -77,7 +79,7 @@ class KernelConfig:
 
 def kernel_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   scale: float | None, fp32: bool, decode_only: bool = False,
-                  max_rows: int = 64, block_n: int = 64) -> KernelConfig:
+                  max_rows: int = 64, block_n: int = 64, window: int = 0) -> KernelConfig:
     """Check the compiled kernel's limits and choose its tile sizes.
 
     Args:
@@ -89,7 +91,10 @@ def kernel_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
             shared memory.
         block_n: keys per inner-loop tile (16, 32 or 64); 64 keeps the fp32 scores and a
             [64, 128] accumulator in registers, smaller tiles need less shared memory.
+        window: the sliding window (0: full attention), a compile-time constant like the scale.
     """
+    if window < 0:
+        raise LlmcError(f"paged_attention_triton: window must be ≥ 0 (0: full attention), got {window}")
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise LlmcError(f"paged_attention_triton: {num_heads} query heads is not a multiple of "
                         f"{num_kv_heads} kv heads")
@@ -107,7 +112,7 @@ def kernel_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
                         block_size=block_size,
                         scale=float(head_dim ** -0.5 if scale is None else scale),
                         block_q=block_q, groups_p2=groups_p2, fp32=fp32,
-                        num_warps=4 if rows * head_dim <= 64 * 64 else 8, block_n=block_n)
+                        num_warps=4 if rows * head_dim <= 64 * 64 else 8, block_n=block_n, window=window)
 
 
 def _paged_attention_kernel(
@@ -117,6 +122,7 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_Q: tl.constexpr,
     GROUPS_P2: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     GROUPS: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUPS_P2
@@ -157,9 +163,15 @@ def _paged_attention_kernel(
         qk_scale = SCALE * LOG2E
 
         # The past, read in place: slot j is cache[block_tables[seq, j // BLOCK_SIZE], kv_head,
-        # j % BLOCK_SIZE]. Every new token sees all of it.
+        # j % BLOCK_SIZE]. Every new token sees all of it, or with a window W the slots after
+        # its position - W: the loop starts at the tile's first token's window, and table entries
+        # before it are never read (the runtime may have freed those blocks).
         table_row = block_tables + seq.to(tl.int64) * max_blocks_per_seq
-        for start in range(0, past, BLOCK_N):
+        row_pos = past + row_token  # each row's position in its sequence
+        past_lo = past * 0
+        if WINDOW > 0:
+            past_lo = tl.maximum(past + tile * BLOCK_Q - WINDOW + 1, 0)
+        for start in range(past_lo, past, BLOCK_N):
             slots = start + tl.arange(0, BLOCK_N)
             slot_ok = slots < past
             blocks = tl.load(table_row + slots // BLOCK_SIZE, mask=slot_ok, other=0).to(tl.int64)
@@ -168,7 +180,10 @@ def _paged_attention_kernel(
             k = tl.load(key_cache + kv_offs, mask=slot_ok[:, None], other=0.0)
             v = tl.load(value_cache + kv_offs, mask=slot_ok[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            scores = tl.where(slot_ok[None, :], scores, float("-inf"))
+            seen = slot_ok[None, :]
+            if WINDOW > 0:
+                seen = seen & (slots[None, :] > row_pos[:, None] - WINDOW)
+            scores = tl.where(seen, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
             alpha = tl.math.exp2(m_i - m_new)
@@ -178,7 +193,10 @@ def _paged_attention_kernel(
 
         # The sequence's new tokens, causally: row token t sees new tokens 0..t.
         new_end = tl.minimum(seq_new, (tile + 1) * BLOCK_Q)
-        for start in range(0, new_end, BLOCK_N):
+        new_lo = new_end * 0
+        if WINDOW > 0:
+            new_lo = tl.maximum(tile * BLOCK_Q - WINDOW + 1, 0)
+        for start in range(new_lo, new_end, BLOCK_N):
             toks = start + tl.arange(0, BLOCK_N)
             tok_ok = toks < new_end
             kv_offs = ((seq_begin + toks).to(tl.int64) * NUM_KV_HEADS + kv_head) * HEAD_DIM
@@ -187,6 +205,8 @@ def _paged_attention_kernel(
             v = tl.load(value + kv_offs, mask=tok_ok[:, None], other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = tok_ok[None, :] & (toks[None, :] <= row_token[:, None])
+            if WINDOW > 0:
+                visible = visible & (toks[None, :] > row_token[:, None] - WINDOW)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
@@ -222,13 +242,14 @@ def require_triton() -> None:
 
 
 def paged_attention_triton(query, key, value, key_cache, value_cache, block_tables, context_lens,
-                           query_start_loc, scale: float | None = None):
+                           query_start_loc, scale: float | None = None, window: int = 0):
     """Run the op on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1); returns ``output``.
 
     Checks shapes and limits without reading device data; block-table entries are trusted
     (``llmc.plugins.paged_attention.check_inputs`` validates them on the host when wanted).
 
-    Args: as in :mod:`llmc.plugins.paged_attention`; scale defaults to 1/sqrt(head_dim).
+    Args: as in :mod:`llmc.plugins.paged_attention`; scale defaults to 1/sqrt(head_dim), window
+    to 0 (full attention).
     """
     import torch
 
@@ -262,7 +283,7 @@ def paged_attention_triton(query, key, value, key_cache, value_cache, block_tabl
         if t.dtype not in (torch.int32, torch.int64):
             raise LlmcError(f"paged_attention_triton: {name} must be int32 or int64, got {t.dtype}")
     cfg = kernel_config(heads, kv_heads, head_dim, key_cache.shape[2], scale,
-                        fp32=query.dtype == torch.float32, decode_only=tokens == num_seqs)
+                        fp32=query.dtype == torch.float32, decode_only=tokens == num_seqs, window=window)
     output = torch.empty_like(query, memory_format=torch.contiguous_format)
     if tokens == 0 or num_seqs == 0:
         return output
