@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -18,7 +19,7 @@ import onnx
 import llmc
 from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_file import write_engine
-from llmc.compiler.onnx_io import load_onnx, serialize, validate
+from llmc.compiler.onnx_io import is_large, load_onnx, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
 from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, refresh_shapes, resolve
@@ -57,8 +58,12 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         raise LlmcError(f"--backend: unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
     resolve(level, passes)  # a bad option fails before the model is read
     mixed = check_options(precision)
+    start = time.perf_counter()
     model = load_onnx(onnx_path)
     validate(model, onnx_path)
+    large = is_large(model)  # past 2 GB: weights stay in external data, and stages report their time
+    if large:
+        progress(f"loaded and validated {onnx_path.name} in {time.perf_counter() - start:.1f} s")
     interface = recognize_decoder(model, onnx_path)
     tok = find_tokenizer(model, onnx_path, tokenizer)
     if tok.vocab_size > interface.geometry.vocab_size:
@@ -81,7 +86,6 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
             paged_entry = pool
         else:
             progress(f"paged KV off: {not_paged}")
-    payload = serialize(model)
     manifest = {
         "llmc_version": llmc.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -95,7 +99,15 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         "paged": paged_entry,
         **({"not_paged": not_paged} if paged_entry is None else {}),
     }
-    write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
+    start, output = time.perf_counter(), Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    # The payload goes through files beside the engine and is streamed into it: a large
+    # model's weights are never all in memory.
+    with tempfile.TemporaryDirectory(prefix=".llmc-", dir=output.parent) as folder:
+        payload = write_model_files(model, folder)
+        write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
+    if large:
+        progress(f"wrote {output.name} ({output.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
     return manifest
 
 

@@ -28,6 +28,7 @@ MAGIC = b"LLMCENG\0"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIQ")
 _ALIGN = 64
+_CHUNK = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -39,21 +40,24 @@ class EngineFile:
     sections: dict[str, memoryview]
 
 
-def write_engine(path: str | os.PathLike, manifest: dict[str, Any], sections: dict[str, bytes]) -> None:
+def write_engine(path: str | os.PathLike, manifest: dict[str, Any],
+                 sections: dict[str, bytes | memoryview | os.PathLike]) -> None:
     """Write an engine file atomically (temporary file, then rename).
 
     Args:
         path: destination file.
         manifest: JSON-serializable description; a `sections` table and `format_version` are added.
-        sections: named payloads, e.g. the ONNX model and the tokenizer.
+        sections: named payloads, e.g. the ONNX model and the tokenizer: bytes-like, or the path
+            of a file to stream in (a large model's weights, never held in memory). Offsets and
+            lengths are 64-bit: sections past 2 or 4 GiB are fine.
     """
     path = Path(path)
     table, offset = [], 0
     for name, data in sections.items():
         offset = _aligned(offset)
-        table.append({"name": name, "offset": offset, "length": len(data),
-                      "sha256": hashlib.sha256(data).hexdigest()})
-        offset += len(data)
+        length, digest = _measure(data)
+        table.append({"name": name, "offset": offset, "length": length, "sha256": digest})
+        offset += length
     manifest = {"format_version": FORMAT_VERSION, **manifest, "sections": table}
     manifest_bytes = json.dumps(manifest, indent=1).encode()
 
@@ -66,11 +70,30 @@ def write_engine(path: str | os.PathLike, manifest: dict[str, Any], sections: di
             start = out.tell()
             for entry, data in zip(table, sections.values()):
                 out.write(b"\0" * (start + entry["offset"] - out.tell()))
-                out.write(data)
+                for chunk in _chunks(data):
+                    out.write(chunk)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _measure(data: bytes | memoryview | os.PathLike) -> tuple[int, str]:
+    digest, length = hashlib.sha256(), 0
+    for chunk in _chunks(data):
+        digest.update(chunk)
+        length += len(chunk)
+    return length, digest.hexdigest()
+
+
+def _chunks(data: bytes | memoryview | os.PathLike):
+    """The payload in pieces: a file is read 64 MiB at a time (through the page cache)."""
+    if not isinstance(data, (str, os.PathLike)):
+        yield data
+        return
+    with open(data, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -92,19 +115,32 @@ def read_engine(path: str | os.PathLike, *, verify: bool = True) -> EngineFile:
         manifest, data_start = _read_header(path, f.read(_HEADER.size), f)
         size = os.fstat(f.fileno()).st_size
         view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
-    sections = {}
-    for entry in manifest["sections"]:
-        begin = data_start + entry["offset"]
-        end = begin + entry["length"]
-        if end > size:
-            raise LlmcError(f"{path}: truncated engine file (section '{entry['name']}' needs "
-                            f"{end} bytes, file has {size})")
-        data = view[begin:end]
-        if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise LlmcError(f"{path}: corrupted engine file (checksum mismatch in section "
-                            f"'{entry['name']}')")
-        sections[entry["name"]] = data
+        sections = {}
+        for entry in manifest["sections"]:
+            begin = data_start + entry["offset"]
+            end = begin + entry["length"]
+            if end > size:
+                raise LlmcError(f"{path}: truncated engine file (section '{entry['name']}' needs "
+                                f"{end} bytes, file has {size})")
+            if verify and _file_digest(f, begin, entry["length"]) != entry["sha256"]:
+                raise LlmcError(f"{path}: corrupted engine file (checksum mismatch in section "
+                                f"'{entry['name']}')")
+            sections[entry["name"]] = view[begin:end]
     return EngineFile(path, manifest, sections)
+
+
+def _file_digest(f, begin: int, length: int) -> str:
+    """SHA-256 of a file range, read in chunks: hashing through the memory map would count a
+    large engine's every page in this process's resident memory."""
+    digest = hashlib.sha256()
+    f.seek(begin)
+    while length > 0:
+        chunk = f.read(min(_CHUNK, length))
+        if not chunk:
+            break
+        digest.update(chunk)
+        length -= len(chunk)
+    return digest.hexdigest()
 
 
 def _read_header(path: Path, header: bytes, f) -> tuple[dict[str, Any], int]:

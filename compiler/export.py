@@ -15,17 +15,17 @@ import io
 import json
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-import onnx
 import torch
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
 from llmc.compiler.decoder_interface import Geometry, geometry_metadata
-from llmc.compiler.onnx_io import save_onnx
+from llmc.compiler.onnx_io import save_ir_model
 from llmc.models import LoadedModel, load_model
 
 # Example sizes for tracing: 0 and 1 would be specialized by torch.export, so use larger ones.
@@ -85,26 +85,41 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
         check: run the seeded onnxruntime-vs-PyTorch parity check after writing.
         progress: called with a short line as each stage starts.
     """
+    start = time.perf_counter()
     loaded = load_model(str(model)) if not isinstance(model, LoadedModel) else model
     geometry = model_geometry(loaded.model)
+    weights_gb = sum(p.numel() * p.element_size() for p in loaded.model.parameters()) / 1e9
     progress(f"exporting {loaded.name}: {geometry.num_layers} layers, {geometry.num_heads} heads, "
-             f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}")
-    proto = _to_onnx(loaded.model, geometry)
+             f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}, {weights_gb:.2f} GB of weights "
+             f"(loaded in {time.perf_counter() - start:.1f} s)")
+    start = time.perf_counter()
+    graph = _to_onnx(loaded.model, geometry)
+    progress(f"traced to ONNX in {time.perf_counter() - start:.1f} s")
     # One window for every layer, or one per layer (Gemma 2/3, Qwen2's max_window_layers), 0 = full.
     windows = [w or 0 for w in getattr(loaded.model.args, "layer_windows", ())]
     uniform = len(set(windows)) <= 1
     metadata = {**geometry_metadata(geometry, (windows[0] or None) if windows and uniform else None),
                 TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(), "llmc.source_model": loaded.name,
                 **({} if uniform else {"llmc.layer_windows": json.dumps(windows)})}
-    onnx.helper.set_model_props(proto, metadata)
-    save_onnx(proto, output)
+    graph.metadata_props.clear()
+    graph.metadata_props.update(metadata)
+    start = time.perf_counter()
+    # Straight from the exporter's graph, whose tensors are the model's own: the weights are
+    # never copied into a ModelProto (past 2 GB one cannot hold them).
+    save_ir_model(graph, output)
+    del graph
+    progress(f"wrote {output} in {time.perf_counter() - start:.1f} s")
     if not check:
         return None
     progress("checking onnxruntime against PyTorch on seeded inputs")
-    return check_parity(loaded.model, output)
+    start = time.perf_counter()
+    result = check_parity(loaded.model, output)
+    progress(f"checked in {time.perf_counter() - start:.1f} s")
+    return result
 
 
-def _to_onnx(model: torch.nn.Module, geometry: Geometry) -> onnx.ModelProto:
+def _to_onnx(model: torch.nn.Module, geometry: Geometry):
+    """The decoder as an `onnx_ir.Model` (torch.onnx's own graph; its tensors share the model's)."""
     batch = torch.export.Dim("batch", min=1)
     seq = torch.export.Dim("sequence", min=1)
     past = torch.export.Dim("past_sequence", min=0)
@@ -121,9 +136,9 @@ def _to_onnx(model: torch.nn.Module, geometry: Geometry) -> onnx.ModelProto:
                                     dynamo=True, input_names=input_names,
                                     output_names=output_names, dynamic_shapes=shapes,
                                     optimize=True, verbose=False)
-    proto = program.model_proto
-    _name_dynamic_dims(proto)
-    return proto
+    graph = program.model
+    _name_dynamic_dims(graph)
+    return graph
 
 
 def sample_inputs(geometry: Geometry, batch: int, seq: int, past: int, *, seed: int) -> dict[str, torch.Tensor]:
@@ -166,23 +181,26 @@ def _compare_step(model, session, inputs: dict[str, torch.Tensor]):
     return (diffs[0], max(diffs[1:])), ort_out[1:]
 
 
-def _name_dynamic_dims(proto: onnx.ModelProto) -> None:
-    """Give the symbolic dims readable names (the exporter writes s0, s1 + s2, ...)."""
+def _name_dynamic_dims(model) -> None:
+    """Give the symbolic dims of an `onnx_ir.Model` readable names (the exporter writes s0, s1 + s2, ...)."""
+    import onnx_ir as ir
+
     names = {"input_ids": {0: "batch", 1: "sequence"},
              "attention_mask": {0: "batch", 1: "total_sequence"},
+             "position_ids": {0: "batch", 1: "sequence"},
              "logits": {0: "batch", 1: "sequence"}}
-    for value in list(proto.graph.input) + list(proto.graph.output):
+    for value in [*model.graph.inputs, *model.graph.outputs]:
         axes = names.get(value.name)
         if axes is None and value.name.startswith(("past_key_values.", "present.")):
             axes = {0: "batch", 2: "past_sequence" if value.name.startswith("past") else "total_sequence"}
-        for axis, name in (axes or {}).items():
-            dim = value.type.tensor_type.shape.dim[axis]
-            if not dim.HasField("dim_value"):
-                dim.dim_param = name
-    if "position_ids" in {v.name for v in proto.graph.input}:
-        pos = next(v for v in proto.graph.input if v.name == "position_ids")
-        for axis, name in {0: "batch", 1: "sequence"}.items():
-            pos.type.tensor_type.shape.dim[axis].dim_param = name
+        if not axes or value.shape is None:
+            continue
+        dims = list(value.shape)
+        for axis, name in axes.items():
+            # position_ids is named even where the exporter fixed a dim (as the proto version did).
+            if not isinstance(dims[axis], int) or value.name == "position_ids":
+                dims[axis] = ir.SymbolicDim(name)
+        value.shape = ir.Shape(dims)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ import onnx
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from llmc.compiler.onnx_io import tensor_array
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.graph import DEFAULT_DOMAINS, Graph, NONDETERMINISTIC_OPS, Rewrite
 
@@ -82,7 +83,7 @@ class FoldConstants(Pass):
                 feeds[name] = np.broadcast_to(np.zeros((), np.float32), _static_shape(types, name))
             else:
                 return None
-        return {name: numpy_helper.to_array(graph.initializers[name]) if value is None else value
+        return {name: tensor_array(graph.initializers[name]) if value is None else value
                 for name, value in feeds.items()}
 
     def _rewrite(self, graph: Graph, folded: list[onnx.NodeProto],

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from llmc.compiler.onnx_io import tensor_array
+from llmc.compiler.onnx_io import is_large, make_initializer, tensor_array
 
 # Ops whose outputs differ from run to run: never folded or merged. Dropout is random when its
 # training_mode input is set.
@@ -47,6 +47,7 @@ class Graph:
         self.model = model
         self.graph = model.graph
         self._names = itertools.count()
+        self.large = is_large(model)  # new big tensors then go to external data (onnx_io)
         self.reindex()
 
     def reindex(self) -> None:
@@ -137,7 +138,7 @@ class Graph:
 
     def initializer(self, prefix: str, value: np.ndarray) -> onnx.TensorProto:
         """A new initializer proto holding `value` (add it through a Rewrite)."""
-        return numpy_helper.from_array(np.asarray(value), self.fresh(prefix))
+        return make_initializer(value, self.fresh(prefix), external=self.large)
 
     def node(self, op_type: str, inputs: list[str], outputs: list[str] | int = 1, *,
              domain: str = "", **attrs) -> onnx.NodeProto:

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from llmc.compiler.onnx_io import infer_shapes
+from llmc.compiler.onnx_io import infer_shapes, tensor_array
 from llmc.passes.graph import Graph
 
 ISLANDS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
@@ -73,7 +73,7 @@ def convert_to_fp16(model: onnx.ModelProto, keep_fp32_ops: set[str] = frozenset(
     for name, t in initializers.items():
         if t.data_type == TensorProto.FLOAT and readers.get(name) and all(id(r) in half_ids for r in readers[name]):
             # Saturate: fill values such as float32's lowest (attention masks) become fp16's lowest.
-            values = np.clip(numpy_helper.to_array(t), -65504.0, 65504.0).astype(np.float16)
+            values = np.clip(tensor_array(t), -65504.0, 65504.0).astype(np.float16)
             t.CopyFrom(numpy_helper.from_array(values, name))
             stored_half.add(name)
 

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from llmc.compiler.onnx_io import tensor_array
 from llmc.errors import LlmcError
 from llmc.precision.calibration import TensorStats, observe, threshold
 from llmc.precision.linears import Linear
@@ -69,7 +70,7 @@ def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[st
             readers[i] = readers.get(i, 0) + 1
     drop, dequantize = set(), []
     for layer in linears:
-        weight = numpy_helper.to_array(weights[layer.weight]).astype(np.float32)
+        weight = tensor_array(weights[layer.weight]).astype(np.float32)
         scale = np.maximum(np.abs(weight).max(axis=0), 1e-8) / 127.0
         codes = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
         prefix = f"{layer.name}.weight.int8"
@@ -120,21 +121,21 @@ def smooth(model: onnx.ModelProto, linears: list[Linear], stats: dict[str, Tenso
                 or sum(len(readers.get(w.weight, [])) for w in layers) != len(layers)):
             continue
         if len(readers[norm.input[1]]) > 1:  # a scale shared with other norms (deduplicated): own copy
-            own = numpy_helper.from_array(numpy_helper.to_array(weights[norm.input[1]]), f"{name}.smoothed_scale")
+            own = numpy_helper.from_array(tensor_array(weights[norm.input[1]]), f"{name}.smoothed_scale")
             model.graph.initializer.append(own)
             weights[own.name] = model.graph.initializer[-1]
             readers[norm.input[1]].remove(norm)
             norm.input[1] = own.name
             readers[own.name] = [norm]
-        ws = [numpy_helper.to_array(weights[l.weight]).astype(np.float32) for l in layers]
+        ws = [tensor_array(weights[l.weight]).astype(np.float32) for l in layers]
         w_max = np.max([np.abs(w).max(axis=1) for w in ws], axis=0)
         x_max = stats[name].channel_absmax
         s = np.power(np.maximum(x_max, 1e-5), alpha) / np.power(np.maximum(w_max, 1e-5), 1 - alpha)
         s = np.clip(s, 1e-3, 1e3).astype(np.float32)
-        gamma = numpy_helper.to_array(weights[norm.input[1]]).astype(np.float32)
+        gamma = tensor_array(weights[norm.input[1]]).astype(np.float32)
         weights[norm.input[1]].CopyFrom(numpy_helper.from_array((gamma / s).astype(np.float32), norm.input[1]))
         if len(norm.input) > 2 and norm.input[2] in weights:  # LayerNorm's bias scales too
-            beta = numpy_helper.to_array(weights[norm.input[2]]).astype(np.float32)
+            beta = tensor_array(weights[norm.input[2]]).astype(np.float32)
             weights[norm.input[2]].CopyFrom(numpy_helper.from_array((beta / s).astype(np.float32), norm.input[2]))
         for layer, w in zip(layers, ws):
             weights[layer.weight].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), layer.weight))

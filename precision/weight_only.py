@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from llmc.compiler.onnx_io import tensor_array
 from llmc.errors import LlmcError
 from llmc.passes import contrib_ops
 from llmc.passes.graph import DEFAULT_DOMAINS
@@ -88,7 +89,7 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
         if (node.domain not in DEFAULT_DOMAINS or weight is None or len(weight.dims) != 2
                 or weight.data_type != onnx.TensorProto.FLOAT or not select(node)):
             continue
-        array = numpy_helper.to_array(weight)
+        array = tensor_array(weight)
         k, n = array.shape
         codes, scales = quantize_blocks(array, bits, block_size)
         prefix = f"{node.name or node.output[0]}.int{bits}"

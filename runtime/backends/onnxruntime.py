@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-import os
 import tempfile
 
 import numpy as np
@@ -16,20 +15,24 @@ _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 def open_session(files: dict, folder: str, options: ort.SessionOptions) -> ort.InferenceSession:
-    """A CPU session over a serialized model: from memory, or, with external data, from files.
+    """A CPU session over a serialized model: from memory, external data included.
 
     Args:
-        files: "model.onnx" bytes, plus "model.onnx.data" for models past 2 GB.
-        folder: where to unpack the files when there is external data (must outlive the call).
-        options: session options.
+        files: "model.onnx" bytes, plus "model.onnx.data" (bytes-like, e.g. a memory-mapped
+            engine section) for models past 2 GB; handed to onnxruntime as an in-memory file,
+            never written out (onnxruntime copies the tensors it needs).
+        folder: unused; kept for callers that still pass one.
+        options: session options. onnxruntime keeps the in-memory file in them and takes it
+            once: sessions sharing `options` must share the data (as a paged engine's segments do).
     """
-    if "model.onnx.data" not in files:
-        return ort.InferenceSession(bytes(files["model.onnx"]), options, providers=["CPUExecutionProvider"])
-    for name, data in files.items():
-        with open(os.path.join(folder, name), "wb") as f:
-            f.write(data)
-    return ort.InferenceSession(os.path.join(folder, "model.onnx"), options,
-                                providers=["CPUExecutionProvider"])
+    if "model.onnx.data" in files:
+        data = files["model.onnx.data"]
+        try:
+            options.add_external_initializers_from_files_in_memory(["model.onnx.data"], [data], [len(data)])
+        except RuntimeError as exc:
+            if "already been added" not in str(exc):
+                raise
+    return ort.InferenceSession(bytes(files["model.onnx"]), options, providers=["CPUExecutionProvider"])
 
 
 class OnnxRuntimeDecoder:

@@ -21,7 +21,7 @@ from onnx import helper
 
 from llmc.compiler.decoder_interface import Geometry
 from llmc.compiler.engine_file import EngineFile
-from llmc.compiler.onnx_io import infer_shapes, load_model_files, serialize
+from llmc.compiler.onnx_io import infer_shapes, serialize
 from llmc.errors import LlmcError
 from llmc.passes.graph import attr
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch
@@ -142,18 +142,23 @@ class PagedDecoder:
         max_seq_len: longest sequence the engine was sized for; default the model's positions.
         threads: CPU threads; None uses every core.
         kv_dtype: the pool's element type ("float32" or "float16").
+        weights: the data file `model`'s external tensors reference as "model.onnx.data" (a
+            large engine's mapped section); None when its weights are inline.
     """
 
     def __init__(self, model: onnx.ModelProto, geometry: Geometry, block_size: int, num_blocks: int,
-                 max_seq_len: int | None = None, threads: int | None = None, kv_dtype: str = "float32"):
+                 max_seq_len: int | None = None, threads: int | None = None, kv_dtype: str = "float32",
+                 weights: memoryview | None = None):
         self.geometry, self.block_size = geometry, block_size
         self.max_seq_len = max_seq_len or geometry.max_positions
         options = session_options(threads)
         self._unpacked = tempfile.TemporaryDirectory(prefix="llmc-engine-")
         self.segments = split_at_paged_attention(model)
         self.windows = tuple(seg.window for seg in self.segments if seg.attention is not None)
-        self._sessions = [seg.model and open_session(serialize(seg.model), self._unpacked.name, options)
-                          for seg in self.segments]
+        self._sessions = [seg.model and open_session(
+            serialize(seg.model) if weights is None else {"model.onnx": seg.model.SerializeToString(),
+                                                          "model.onnx.data": weights},
+            self._unpacked.name, options) for seg in self.segments]
         self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
                                            block_size, threads, kv_dtype)
         shape = (num_blocks, geometry.num_kv_heads, block_size, geometry.head_dim)
@@ -166,12 +171,12 @@ class PagedDecoder:
     def from_engine(cls, engine: EngineFile, threads: int | None = None) -> "PagedDecoder":
         """The decoder of a paged engine file, with the pool its manifest sized."""
         manifest, paged = engine.manifest, engine.manifest["paged"]
-        with tempfile.TemporaryDirectory(prefix="llmc-engine-") as folder:
-            model = load_model_files({name: engine.sections[name] for name in ("model.onnx", "model.onnx.data")
-                                      if name in engine.sections}, folder)
+        # Past 2 GB the graph references its weights in the engine's mapped data section, unread.
+        model = onnx.load_from_string(bytes(engine.sections["model.onnx"]))
         # Engines written before kv_dtype had float32 pools.
         return cls(model, Geometry(**manifest["geometry"]), paged["block_size"], paged["num_blocks"],
-                   paged["max_seq_len"], threads, paged.get("kv_dtype", "float32"))
+                   paged["max_seq_len"], threads, paged.get("kv_dtype", "float32"),
+                   engine.sections.get("model.onnx.data"))
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
              rows: np.ndarray | None = None) -> np.ndarray:
