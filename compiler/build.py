@@ -18,6 +18,7 @@ import onnx
 
 import llmc
 from llmc.compiler.decoder_interface import recognize_decoder
+from llmc.compiler.engine_checks import check_against_source, check_engine_graph, unfused_attention
 from llmc.compiler.engine_file import write_engine
 from llmc.compiler.onnx_io import is_large, load_onnx, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
@@ -79,13 +80,19 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if not precision.is_default:
         precision_entry = apply_precision(model, precision, mixed, calibration, progress)
         refresh_shapes(model)  # the paged lowering reads ranks
+    check_against_source(model, onnx_path, exact=precision.is_default, level=level, passes=passes,
+                         progress=progress)
     paged_entry, not_paged = None, "not requested"
+    unfused = unfused_attention(model, interface.geometry.num_layers, report)
+    if unfused:
+        progress(unfused)
     if paged is not None:
-        not_paged = lower(model, interface, paged)
+        not_paged = unfused or lower(model, interface, paged)
         if not_paged is None:
             paged_entry = pool
-        else:
+        elif not unfused:
             progress(f"paged KV off: {not_paged}")
+    check_engine_graph(model, Path(output))
     manifest = {
         "llmc_version": llmc.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

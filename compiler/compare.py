@@ -39,9 +39,25 @@ class Comparison:
 
 def seeded_feeds(model: onnx.ModelProto, seed: int = 0, *, batch: int = _BATCH, seq: int = _SEQ,
                  past: int = _PAST) -> dict[str, np.ndarray]:
-    """Inputs for every graph input, reproducible from `seed`."""
+    """Inputs for every graph input, reproducible from `seed`.
+
+    Any decoder graph gets consistent inputs: with or without past K/V (without, the mask spans
+    the new tokens only), with or without position ids, and the lengths that onnxruntime's
+    contrib attention reads (``seqlens_k``, ``total_sequence_length``, ``cache_position``).
+    """
     rng = np.random.default_rng(seed)
     vocab = _logits_vocab(model)
+    if not any(_is_past(value) for value in model.graph.input):
+        past = 0
+    total = past + seq
+    derived = {
+        "attention_mask": lambda: np.ones((batch, total)),
+        "position_ids": lambda: np.tile(np.arange(past, total), (batch, 1)),
+        "cache_position": lambda: np.arange(past, total),
+        # GroupQueryAttention's: each sequence's total length minus one, and the longest total.
+        "seqlens_k": lambda: np.full((batch,), total - 1),
+        "total_sequence_length": lambda: np.array(total),
+    }
     feeds = {}
     for value in model.graph.input:
         name = value.name
@@ -49,16 +65,33 @@ def seeded_feeds(model: onnx.ModelProto, seed: int = 0, *, batch: int = _BATCH, 
         dtype = helper.tensor_dtype_to_np_dtype(tensor.elem_type)
         if name == "input_ids":
             feeds[name] = rng.integers(0, vocab, (batch, seq)).astype(dtype)
-        elif name == "attention_mask":
-            feeds[name] = np.ones((batch, past + seq), dtype)
-        elif name == "position_ids":
-            feeds[name] = np.tile(np.arange(past, past + seq), (batch, 1)).astype(dtype)
+        elif name in derived:
+            feeds[name] = derived[name]().astype(dtype).reshape(_declared_rank_shape(tensor, derived[name]()))
         else:
             dims = [d.dim_value if d.HasField("dim_value") else 2 for d in tensor.shape.dim]
-            if name.startswith("past_key_values.") and len(dims) == 4:
+            if _is_past(value):
                 dims[0], dims[2] = batch, past
             feeds[name] = _random(rng, dims, dtype)
     return feeds
+
+
+def _is_past(value: onnx.ValueInfoProto) -> bool:
+    """A past key/value input [batch, kv_heads, past, head_dim] (Optimum, genai and llmc names)."""
+    return (value.name.startswith(("past_key_values.", "past_key.", "past_value.", "past."))
+            and len(value.type.tensor_type.shape.dim) == 4)
+
+
+def _declared_rank_shape(tensor: onnx.TypeProto.Tensor, array: np.ndarray) -> tuple[int, ...]:
+    """The array's shape, padded with leading 1s or squeezed to the rank the graph declares
+    (e.g. a [1] total_sequence_length instead of a scalar)."""
+    if not tensor.HasField("shape"):
+        return array.shape
+    rank = len(tensor.shape.dim)
+    if rank == array.ndim:
+        return array.shape
+    if rank > array.ndim:
+        return (1,) * (rank - array.ndim) + array.shape
+    return array.shape[array.ndim - rank:]  # only leading 1s are dropped (a scalar's [1])
 
 
 def run_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -103,20 +103,36 @@ def optimize(model: onnx.ModelProto, *, level: str | int | None = None,
     refresh_shapes(model)
     if verify:
         feeds = seeded_feeds(model)
-        reference = run_onnx(model, feeds)
+        try:
+            reference = run_onnx(model, feeds)
+        except Exception as exc:  # onnxruntime raises its own types
+            raise LlmcError("--verify: onnxruntime cannot run the input graph on seeded inputs: "
+                            f"{str(exc).strip().splitlines()[0][:300]}") from None
     report = []
     for pass_ in pipeline:
         nodes_before = len(model.graph.node)
         start = time.perf_counter()
         result = pass_.run(model)
         model = result.model
-        refresh_shapes(model)
+        problem = structural_problem(model.graph)
+        if problem:
+            raise LlmcError(f"pass '{pass_.name}' left an invalid graph: {problem}")
+        try:
+            refresh_shapes(model)
+        except Exception as exc:  # shape inference raises several types; all mean a broken graph
+            raise LlmcError(f"pass '{pass_.name}' left a graph whose shapes cannot be inferred: "
+                            f"{str(exc).strip().splitlines()[0][:300]}") from None
         entry = {"pass": pass_.name, "matches": result.matches, "nodes_before": nodes_before,
                  "nodes_after": len(model.graph.node),
                  "seconds": round(time.perf_counter() - start, 4), "notes": result.notes}
         if verify:
             _check_valid(model, pass_.name)
-            comparison = compare_outputs(reference, run_onnx(model, feeds))
+            try:
+                outputs = run_onnx(model, feeds)
+            except Exception as exc:  # onnxruntime raises its own types for graphs it cannot run
+                raise LlmcError(f"pass '{pass_.name}' left a graph onnxruntime cannot run: "
+                                f"{str(exc).strip().splitlines()[0][:300]}") from None
+            comparison = compare_outputs(reference, outputs)
             entry["verify"] = comparison.to_dict()
             if not comparison.max_abs <= tolerance:
                 raise LlmcError(f"pass '{pass_.name}' changed the outputs beyond tolerance: max abs "
@@ -133,6 +149,38 @@ def refresh_shapes(model: onnx.ModelProto) -> None:
     del model.graph.value_info[:]
     inferred = infer_shapes(model, data_prop=True)
     model.graph.value_info.extend(inferred.graph.value_info)
+
+
+def structural_problem(graph: onnx.GraphProto) -> str | None:
+    """What makes `graph` unrunnable by construction, or None: a node reading a value nothing
+    defines before it (a dangling input, a cycle or a bad order) or a value defined twice.
+
+    Cheap enough to run after every pass, unlike the checker, which serializes the model.
+    """
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    return _first_problem(graph, defined)
+
+
+_GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+
+
+def _first_problem(graph: onnx.GraphProto, defined: set[str]) -> str | None:
+    for node in graph.node:
+        for name in node.input:
+            if name not in defined:
+                return f"node '{node.name or node.op_type}' reads '{name}', which no earlier node defines"
+        for attribute in node.attribute:  # If/Loop bodies may read values of the enclosing graph
+            for body in [attribute.g, *attribute.graphs] if attribute.type in _GRAPH_ATTRIBUTES else []:
+                problem = _first_problem(body, defined | {i.name for i in body.input}
+                                         | {t.name for t in body.initializer})
+                if problem:
+                    return problem
+        for name in node.output:
+            if name and name in defined:
+                return f"node '{node.name or node.op_type}' defines '{name}' a second time"
+            defined.add(name)
+    missing = [o.name for o in graph.output if o.name not in defined]
+    return f"graph output '{missing[0]}' is not computed" if missing else None
 
 
 def _check_valid(model: onnx.ModelProto, pass_name: str) -> None:
