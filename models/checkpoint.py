@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,8 @@ def build_model(cfg: dict[str, Any], config_path: Path) -> DecoderLM:
     """
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
-        nearest = difflib.get_close_matches(str(model_type), FAMILIES, n=1, cutoff=0.0)
         raise ValueError(
-            f"{config_path}: model_type {model_type!r} is not supported (nearest supported: {nearest[0]}; "
+            f"{config_path}: model_type {model_type!r} is not supported (nearest supported: {_nearest(str(model_type))}; "
             f"supported: {', '.join(FAMILIES)})"
         )
     args_cls, model_cls = FAMILIES[model_type]
@@ -99,6 +99,15 @@ def build_model(cfg: dict[str, Any], config_path: Path) -> DecoderLM:
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
     return model_cls(args).float()
+
+
+def _nearest(model_type: str) -> str:
+    """The supported model_type most like `model_type`: longest shared prefix, then difflib's ratio."""
+    def likeness(known: str) -> tuple[int, float]:
+        prefix = len(os.path.commonprefix([model_type, known]))
+        return prefix, difflib.SequenceMatcher(None, model_type, known).ratio()
+
+    return max(FAMILIES, key=likeness)
 
 
 def load_weights(model: DecoderLM, folder: Path) -> None:

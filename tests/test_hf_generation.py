@@ -1,4 +1,10 @@
-"""Hugging Face checkpoint folders through the whole CLI: greedy tokens equal transformers'."""
+"""Hugging Face checkpoint folders through the whole CLI: greedy tokens equal transformers'.
+
+Every family `llmc export` supports (tests/hf_checkpoints.py ALL_FAMILIES) is exported,
+compiled with the default options (paged KV where the compiler can express the model, else
+contiguous with the reason in the manifest) and run; families with sliding windows or
+soft-capping are also compiled contiguous (`--no-paged`) and must match as well.
+"""
 
 import json
 
@@ -7,50 +13,79 @@ import onnxruntime as ort
 import pytest
 import torch
 from click.testing import CliRunner
-from hf_checkpoints import hf_model, write_hf_checkpoint
+from hf_checkpoints import ALL_FAMILIES, hf_model, write_hf_checkpoint
 
+from llmc import LLM, SamplingParams
 from llmc.cli import main
 from llmc.compiler.engine_file import read_manifest
 
 PROMPT = "def fibonacci("
 NEW_TOKENS = 32
+# Families whose attention differs from plain causal (windows, soft-capping): also run contiguous.
+ALSO_CONTIGUOUS = ("mistral", "gemma2", "gemma3")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "gpt2"])
-def compiled(request, tmp_path_factory):
-    folder = write_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
-    out = tmp_path_factory.mktemp(f"{request.param}-out")
+def _export_and_compile(folder, out, *compile_options):
     runner = CliRunner()
-    exported = runner.invoke(main, ["export", str(folder), "-o", str(out / "model.onnx")])
-    assert exported.exit_code == 0, exported.output
-    assert "parity vs PyTorch: max abs diff" in exported.stdout
-    compiled = runner.invoke(main, ["compile", str(out / "model.onnx"), "-o", str(out / "engine.plan")])
+    if not (out / "model.onnx").exists():
+        exported = runner.invoke(main, ["export", str(folder), "-o", str(out / "model.onnx")])
+        assert exported.exit_code == 0, exported.output
+        assert "parity vs PyTorch: max abs diff" in exported.stdout
+    engine = out / ("engine.plan" if not compile_options else "engine-contiguous.plan")
+    compiled = runner.invoke(main, ["compile", str(out / "model.onnx"), "-o", str(engine), *compile_options])
     assert compiled.exit_code == 0, compiled.output
-    manifest = read_manifest(out / "engine.plan")
-    if request.param == "mistral":  # its sliding window is not expressible paged: contiguous, and why
-        assert manifest["paged"] is None and "sliding-window" in manifest["not_paged"]
-    else:
+    return engine
+
+
+def _hf_greedy(folder, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy generate, stopping at the checkpoint's own EOS ids (generation_config)."""
+    reference = hf_model(folder)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        generated = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=new_tokens, pad_token_id=257)
+    return generated[0, ids.shape[1]:].tolist()
+
+
+@pytest.fixture(scope="module", params=ALL_FAMILIES)
+def compiled(request, tmp_path_factory):
+    family = request.param
+    folder = write_hf_checkpoint(tmp_path_factory.mktemp(family), family)
+    out = tmp_path_factory.mktemp(f"{family}-out")
+    engine = _export_and_compile(folder, out)
+    manifest = read_manifest(engine)
+    # Paged when the compiler can express the model; otherwise contiguous and it says why.
+    assert manifest["paged"] is not None or manifest["not_paged"]
+    if family in ("llama", "qwen2", "gpt2"):  # plain causal attention must always go paged
         assert manifest["paged"]["block_size"] == 16
-    return folder, out
+    return family, folder, out, engine
+
+
+def _run(engine) -> dict:
+    result = CliRunner().invoke(main, ["run", str(engine), "--prompt", PROMPT,
+                                       "--max-new-tokens", str(NEW_TOKENS), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
 
 
 def test_greedy_tokens_equal_transformers_generate(compiled):
-    folder, out = compiled
-    result = CliRunner().invoke(main, ["run", str(out / "engine.plan"), "--prompt", PROMPT,
-                                       "--max-new-tokens", str(NEW_TOKENS), "--json"])
-    assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    reference = hf_model(folder)
-    prompt_ids = torch.tensor([record["prompt_token_ids"]])
-    with torch.no_grad():
-        generated = reference.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
-                                       do_sample=False, max_new_tokens=NEW_TOKENS,
-                                       eos_token_id=257, pad_token_id=257)
-    assert record["token_ids"] == generated[0, prompt_ids.shape[1]:].tolist()
+    family, folder, out, engine = compiled
+    record = _run(engine)
+    assert record["token_ids"] == _hf_greedy(folder, record["prompt_token_ids"], NEW_TOKENS)
+
+
+def test_contiguous_engine_equals_transformers_generate(compiled):
+    family, folder, out, _ = compiled
+    if family not in ALSO_CONTIGUOUS:
+        pytest.skip("plain causal attention: the default engine's test covers it")
+    engine = _export_and_compile(folder, out, "--no-paged")
+    assert read_manifest(engine)["paged"] is None
+    record = _run(engine)
+    assert record["token_ids"] == _hf_greedy(folder, record["prompt_token_ids"], NEW_TOKENS)
 
 
 def test_onnx_logits_equal_transformers(compiled):
-    folder, out = compiled
+    family, folder, out, _ = compiled
     reference = hf_model(folder)
     config = reference.config
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -66,3 +101,21 @@ def test_onnx_logits_equal_transformers(compiled):
     with torch.no_grad():
         want = reference(ids).logits.numpy()
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_every_eos_id_stops_generation(tmp_path):
+    """A second EOS id listed only in generation_config.json ends generation where it is produced."""
+    folder = write_hf_checkpoint(tmp_path / "ckpt", "llama3")  # config.json: eos_token_id [257, 10]
+    prompt_ids = [256, *PROMPT.encode()]
+    free = _hf_greedy(folder, prompt_ids, 16)
+    # A token of the free run that is not already an EOS id and first appears at index >= 2.
+    stop_at = next(i for i, t in enumerate(free) if i >= 2 and t not in (257, 10) and t not in free[:i])
+    generation_config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(
+        json.dumps({**generation_config, "eos_token_id": [257, 10, free[stop_at]]}))
+    assert _hf_greedy(folder, prompt_ids, 16) == free[:stop_at + 1]  # transformers stops there too
+    engine = _export_and_compile(folder, tmp_path)
+    completion = LLM(engine).generate(PROMPT, SamplingParams(max_new_tokens=16))[0]
+    assert completion.prompt_token_ids == prompt_ids
+    assert completion.token_ids == free[:stop_at + 1]
+    assert completion.finish_reason == "stop"

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from llmc.cli import main
 from llmc.models import load_checkpoint, load_model
 
 
@@ -37,8 +39,17 @@ def _edit_weights(folder: Path, edit: Callable[[dict[str, torch.Tensor]], None])
 
 def test_unknown_model_type(llama_copy: Path) -> None:
     _edit_config(llama_copy, model_type="falcon")
-    with pytest.raises(ValueError, match=r"config\.json.*'falcon'"):
+    with pytest.raises(ValueError, match=r"config\.json: model_type 'falcon' is not supported \(nearest supported: "):
         load_checkpoint(llama_copy)
+
+
+def test_unknown_model_type_names_the_nearest_one_in_one_cli_line(llama_copy: Path) -> None:
+    # Gemma 3's multimodal config; its text-only decoder is model_type gemma3_text.
+    _edit_config(llama_copy, model_type="gemma3")
+    result = CliRunner().invoke(main, ["export", str(llama_copy), "-o", str(llama_copy / "model.onnx")])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "model_type 'gemma3' is not supported (nearest supported: gemma3_text;" in lines[0]
 
 
 def test_unsupported_rope_type(llama_copy: Path) -> None:
@@ -120,3 +131,15 @@ def test_load_model_accepts_a_folder(llama_copy: Path) -> None:
     loaded = load_model(str(llama_copy))
     assert loaded.model.family == "llama" and loaded.name == "ckpt"
     assert loaded.tokenizer.eos_id == 257
+
+
+def test_fused_tensors_name_the_stored_tensor(hf_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    folder = shutil.copytree(hf_checkpoint("phi3"), tmp_path / "phi3")
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    _edit_weights(folder, lambda t: t.update({qkv: t[qkv][:-1]}))
+    with pytest.raises(ValueError, match=re.escape(f"model.safetensors: '{qkv}': tensor has shape [127, 64], "
+                                                   "expected [128, 64]")):
+        load_checkpoint(folder)
+    _edit_weights(folder, lambda t: t.pop(qkv))
+    with pytest.raises(ValueError, match=re.escape(f"missing tensor '{qkv}' (3 missing in all)")):
+        load_checkpoint(folder)
