@@ -23,6 +23,9 @@ Attributes
     window         int, default 0: each new token attends to at most the last `window` keys,
                    itself included (sliding-window attention: Mistral, Gemma-2/3's local
                    layers); 0 is full causal attention. Per node, so per layer.
+    softcap        float, default 0: when c > 0, each scaled score s becomes c·tanh(s / c) before
+                   masking and softmax (Gemma-2's attn_logit_softcapping, as ONNX
+                   Attention-23's softcap); 0 leaves scores as they are.
 Output
     output         [T, num_heads, head_dim]
 
@@ -129,7 +132,7 @@ def paged_attention_reference(query: np.ndarray, key: np.ndarray, value: np.ndar
                               key_cache: np.ndarray, value_cache: np.ndarray,
                               block_tables: np.ndarray, context_lens: np.ndarray,
                               query_start_loc: np.ndarray, scale: float | None = None,
-                              window: int = 0) -> np.ndarray:
+                              window: int = 0, softcap: float = 0.0) -> np.ndarray:
     """The ground truth: gathers each sequence's past from the pool and attends, in float64.
 
     Args: as in the module docstring.
@@ -140,6 +143,8 @@ def paged_attention_reference(query: np.ndarray, key: np.ndarray, value: np.ndar
     groups = heads // key.shape[1]
     block_size = key_cache.shape[2]
     scale = head_dim ** -0.5 if scale is None else scale
+    if softcap < 0:
+        raise LlmcError(f"paged_attention: softcap must be ≥ 0 (0: none), got {softcap}")
     output = np.zeros(query.shape, np.float64)
     for s in range(batch.num_seqs):
         begin, end = int(batch.query_start_loc[s]), int(batch.query_start_loc[s + 1])
@@ -159,6 +164,8 @@ def paged_attention_reference(query: np.ndarray, key: np.ndarray, value: np.ndar
         keys, values = np.repeat(keys, groups, axis=1), np.repeat(values, groups, axis=1)
         q = query[begin:end].astype(np.float64)
         scores = np.einsum("qhd,khd->hqk", q, keys) * scale
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
         new = end - begin
         distance = past + np.arange(new)[:, None] - np.arange(past + new)[None, :]
         visible = (distance >= 0) & (distance < window if window else True)

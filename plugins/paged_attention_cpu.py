@@ -77,7 +77,7 @@ class CpuPagedAttention:
         self.kv_dtype = np.dtype(kv_dtype)
         if self.kv_dtype not in POOL_TYPES:
             raise LlmcError(f"paged attention (CPU): a {self.kv_dtype} KV pool is not supported (float32, float16)")
-        self._dense: dict[float, ort.InferenceSession] = {}  # by scale
+        self._dense: dict[tuple[float, float], ort.InferenceSession] = {}  # by scale and softcap
         self._kernel = None  # _attend for this block size, once compiled
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -105,7 +105,7 @@ class CpuPagedAttention:
 
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cache: np.ndarray,
                  value_cache: np.ndarray, layout: StepLayout, scale: float | None = None,
-                 window: int = 0) -> np.ndarray:
+                 window: int = 0, softcap: float = 0.0) -> np.ndarray:
         """[tokens, heads, head_dim] float32 attention of the packed tokens (inputs as in the op's
         contract, already checked; the pool in `kv_dtype`; `window` one that `layout` was given)."""
         scale = self.head_dim ** -0.5 if scale is None else float(scale)
@@ -116,28 +116,28 @@ class CpuPagedAttention:
             b = layout.batch
             pool_type = POOL_TYPES[self.kv_dtype]  # the kernel reads float16 as its bits (uint16)
             args = (query, key, value, key_cache.view(pool_type), value_cache.view(pool_type), b.block_tables,
-                    b.context_lens, b.query_start_loc, layout.items, np.float32(scale), np.int64(window), output,
-                    self.block_size)
+                    b.context_lens, b.query_start_loc, layout.items, np.float32(scale), np.int64(window),
+                    np.float32(softcap), output, self.block_size)
             if self._kernel is None:
                 _attend(*args)  # compiles, or loads from the disk cache, this block size's kernel
                 self._kernel = compiled_entry_point(_attend, args)
             else:
                 self._kernel(*args)
         for rows, feeds in layout.dense[window]:
-            (output[rows],) = self._dense_session(scale).run(None, {
+            (output[rows],) = self._dense_session(scale, float(softcap)).run(None, {
                 "query": query[rows], "key": key[rows], "value": value[rows],
                 "key_cache": key_cache, "value_cache": value_cache, **feeds})
         return output
 
-    def _dense_session(self, scale: float) -> ort.InferenceSession:
-        if scale not in self._dense:
+    def _dense_session(self, scale: float, softcap: float) -> ort.InferenceSession:
+        if (scale, softcap) not in self._dense:
             options = session_options(self.threads)
             model = standalone_model(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                      head_dim=self.head_dim, block_size=self.block_size, scale=scale,
-                                     cache_dtype=helper.np_dtype_to_tensor_dtype(self.kv_dtype))
-            self._dense[scale] = ort.InferenceSession(model.SerializeToString(), options,
-                                                      providers=["CPUExecutionProvider"])
-        return self._dense[scale]
+                                     cache_dtype=helper.np_dtype_to_tensor_dtype(self.kv_dtype), softcap=softcap)
+            self._dense[scale, softcap] = ort.InferenceSession(model.SerializeToString(), options,
+                                                               providers=["CPUExecutionProvider"])
+        return self._dense[scale, softcap]
 
 
 def session_options(threads: int | None) -> ort.SessionOptions:
@@ -204,7 +204,7 @@ def widen(typingctx, element):
 
 @numba.njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _attend(query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-            items, scale, window, output, block_size):  # pragma: no cover — compiled; tested through paged_attention_cpu
+            items, scale, window, softcap, output, block_size):  # pragma: no cover — compiled; tested through paged_attention_cpu
     # A compile-time block size lets LLVM unroll the loops over a block's keys: the P·V update
     # then keeps a row's accumulator in registers for a whole block (measured 1.2-1.6x per call).
     block_size = numba.literally(block_size)
@@ -282,6 +282,9 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                 lowest = max(0, visible - window)
             for j in range(lowest):
                 scores[r, j] = 0.0
+            if softcap > 0:  # Gemma-2: c·tanh(s / c) on the visible scores, before softmax
+                for j in range(lowest, visible):
+                    scores[r, j] = softcap * np.tanh(scores[r, j] / softcap)
             top = scores[r, lowest]
             for j in range(lowest + 1, visible):
                 if scores[r, j] > top:

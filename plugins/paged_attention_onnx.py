@@ -38,16 +38,17 @@ METADATA_INPUTS = [helper.make_tensor_value_info("block_tables", TensorProto.INT
 
 
 def paged_attention_node(query: str, key: str, value: str, key_cache: str, value_cache: str, output: str,
-                         *, name: str, scale: float, window: int = 0) -> onnx.NodeProto:
+                         *, name: str, scale: float, window: int = 0, softcap: float = 0.0) -> onnx.NodeProto:
     """One ``llmc::PagedAttention`` reading the step's layout from `METADATA_INPUTS`.
 
-    Scale and window (0: full attention) are always written: TensorRT plugin attributes have no
-    defaults.
+    Scale, window (0: full attention) and softcap (0: none) are always written: TensorRT plugin
+    attributes have no defaults.
     """
     register()
     layout = [i.name for i in METADATA_INPUTS]
     return helper.make_node(OP_TYPE, [query, key, value, key_cache, value_cache, *layout], [output],
-                            name=name, domain=DOMAIN, scale=float(scale), window=int(window))
+                            name=name, domain=DOMAIN, scale=float(scale), window=int(window),
+                            softcap=float(softcap))
 
 
 def register() -> None:
@@ -65,9 +66,10 @@ def register() -> None:
         + [OpSchema.FormalParameter(i.name, "I") for i in METADATA_INPUTS],
         outputs=[OpSchema.FormalParameter("output", "T")],
         type_constraints=[("T", floats, ""), ("C", floats, ""), ("I", ["tensor(int32)", "tensor(int64)"], "")],
-        # window is optional: engines built before sliding windows have none (full attention).
+        # window and softcap are optional: engines built before them have neither (0: none).
         attributes=[OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "", required=True),
-                    OpSchema.Attribute("window", OpSchema.AttrType.INT, "", required=False)])
+                    OpSchema.Attribute("window", OpSchema.AttrType.INT, "", required=False),
+                    OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, "", required=False)])
     schema.set_type_and_shape_inference_function(_like_query)
     defs.register_schema(schema)
 
@@ -134,7 +136,7 @@ def plan_inputs(dtype: int = TensorProto.FLOAT) -> list[onnx.ValueInfoProto]:
 
 def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str, value_cache: str,
                    output: str, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   scale: float | None = None, widen_cache_to: int | None = None
+                   scale: float | None = None, widen_cache_to: int | None = None, softcap: float = 0.0
                    ) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     """The nodes computing one PagedAttention ([tokens, heads, head_dim] in and out).
 
@@ -145,6 +147,8 @@ def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str
         scale: attention scale; default 1/sqrt(head_dim).
         widen_cache_to: the query's element type, when the pool's is another (a float16 pool):
             gathered blocks are cast to it.
+        softcap: Attention-23's softcap (0: none); onnxruntime applies it before the mask, as the
+            op's contract does.
     """
     blocks, mask = PLAN_INPUTS
     n = lambda name: f"{prefix}/{name}"  # noqa: E731 — a local naming helper
@@ -167,7 +171,8 @@ def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str
         ]
     nodes += [
         helper.make_node("Attention", [n("q_4d"), n("k_all"), n("v_all"), mask], [n("attended")],
-                         scale=float(head_dim ** -0.5 if scale is None else scale)),
+                         scale=float(head_dim ** -0.5 if scale is None else scale),
+                         **({"softcap": float(softcap)} if softcap else {})),
         helper.make_node("Squeeze", [n("attended"), n("batch_axis")], [n("attended_heads")]),
         helper.make_node("Transpose", [n("attended_heads")], [output], perm=[1, 0, 2]),
     ]
@@ -176,14 +181,14 @@ def lowering_nodes(prefix: str, query: str, key: str, value: str, key_cache: str
 
 def standalone_model(*, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                      scale: float | None = None, dtype: int = TensorProto.FLOAT,
-                     cache_dtype: int | None = None) -> onnx.ModelProto:
+                     cache_dtype: int | None = None, softcap: float = 0.0) -> onnx.ModelProto:
     """The dense form of one PagedAttention as a whole ONNX model (inputs: the op's tensors and
     `PLAN_INPUTS`; the pool in `cache_dtype`, default `dtype`)."""
     cache_dtype = dtype if cache_dtype is None else cache_dtype
     nodes, constants = lowering_nodes("paged", "query", "key", "value", "key_cache", "value_cache",
                                       "output", num_heads=num_heads, num_kv_heads=num_kv_heads,
                                       head_dim=head_dim, block_size=block_size, scale=scale,
-                                      widen_cache_to=None if cache_dtype == dtype else dtype)
+                                      widen_cache_to=None if cache_dtype == dtype else dtype, softcap=softcap)
     tensor = lambda name, shape, type_=dtype: helper.make_tensor_value_info(name, type_, shape)  # noqa: E731
     inputs = [tensor("query", ["tokens", num_heads, head_dim]),
               tensor("key", ["tokens", num_kv_heads, head_dim]),

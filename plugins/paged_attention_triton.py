@@ -57,6 +57,7 @@ class KernelConfig:
     num_warps: int
     block_n: int  # keys per inner-loop tile
     window: int = 0  # sliding window (0: full attention)
+    softcap: float = 0.0  # score soft-capping (0: none)
 
     @property
     def block_m(self) -> int:
@@ -67,7 +68,7 @@ class KernelConfig:
             "NUM_HEADS": self.num_heads, "NUM_KV_HEADS": self.num_kv_heads,
             "HEAD_DIM": self.head_dim, "BLOCK_SIZE": self.block_size, "SCALE": self.scale,
             "BLOCK_Q": self.block_q, "GROUPS_P2": self.groups_p2, "BLOCK_N": self.block_n,
-            "WINDOW": self.window,
+            "WINDOW": self.window, "SOFTCAP": self.softcap,
             # fp32 inputs get exact fp32 products; TF32 would miss the reference by ~1e-3.
             "DOT_PRECISION": "ieee" if self.fp32 else "tf32",
         }
@@ -79,7 +80,7 @@ class KernelConfig:
 
 def kernel_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                   scale: float | None, fp32: bool, decode_only: bool = False,
-                  max_rows: int = 64, block_n: int = 64, window: int = 0) -> KernelConfig:
+                  max_rows: int = 64, block_n: int = 64, window: int = 0, softcap: float = 0.0) -> KernelConfig:
     """Check the compiled kernel's limits and choose its tile sizes.
 
     Args:
@@ -92,7 +93,10 @@ def kernel_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
         block_n: keys per inner-loop tile (16, 32 or 64); 64 keeps the fp32 scores and a
             [64, 128] accumulator in registers, smaller tiles need less shared memory.
         window: the sliding window (0: full attention), a compile-time constant like the scale.
+        softcap: score soft-capping c·tanh(s / c) (0: none), a compile-time constant too.
     """
+    if softcap < 0:
+        raise LlmcError(f"paged_attention_triton: softcap must be ≥ 0 (0: none), got {softcap}")
     if window < 0:
         raise LlmcError(f"paged_attention_triton: window must be ≥ 0 (0: full attention), got {window}")
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -112,7 +116,8 @@ def kernel_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
                         block_size=block_size,
                         scale=float(head_dim ** -0.5 if scale is None else scale),
                         block_q=block_q, groups_p2=groups_p2, fp32=fp32,
-                        num_warps=4 if rows * head_dim <= 64 * 64 else 8, block_n=block_n, window=window)
+                        num_warps=4 if rows * head_dim <= 64 * 64 else 8, block_n=block_n, window=window,
+                        softcap=float(softcap))
 
 
 def _paged_attention_kernel(
@@ -122,7 +127,7 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_Q: tl.constexpr,
     GROUPS_P2: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     GROUPS: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUPS_P2
@@ -179,7 +184,11 @@ def _paged_attention_kernel(
             kv_offs = kv_offs[:, None] + dims[None, :]
             k = tl.load(key_cache + kv_offs, mask=slot_ok[:, None], other=0.0)
             v = tl.load(value_cache + kv_offs, mask=slot_ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if SOFTCAP > 0:  # c·tanh(s / c) of the scaled score, tanh(x) = 2σ(2x) - 1
+                scores = SOFTCAP * (2.0 * tl.sigmoid(scores * (2.0 * SCALE / SOFTCAP)) - 1.0) * LOG2E
+            else:
+                scores = scores * qk_scale
             seen = slot_ok[None, :]
             if WINDOW > 0:
                 seen = seen & (slots[None, :] > row_pos[:, None] - WINDOW)
@@ -203,7 +212,11 @@ def _paged_attention_kernel(
             kv_offs = kv_offs[:, None] + dims[None, :]
             k = tl.load(key + kv_offs, mask=tok_ok[:, None], other=0.0)
             v = tl.load(value + kv_offs, mask=tok_ok[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if SOFTCAP > 0:  # c·tanh(s / c) of the scaled score, tanh(x) = 2σ(2x) - 1
+                scores = SOFTCAP * (2.0 * tl.sigmoid(scores * (2.0 * SCALE / SOFTCAP)) - 1.0) * LOG2E
+            else:
+                scores = scores * qk_scale
             visible = tok_ok[None, :] & (toks[None, :] <= row_token[:, None])
             if WINDOW > 0:
                 visible = visible & (toks[None, :] > row_token[:, None] - WINDOW)
@@ -242,14 +255,15 @@ def require_triton() -> None:
 
 
 def paged_attention_triton(query, key, value, key_cache, value_cache, block_tables, context_lens,
-                           query_start_loc, scale: float | None = None, window: int = 0):
+                           query_start_loc, scale: float | None = None, window: int = 0,
+                           softcap: float = 0.0):
     """Run the op on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1); returns ``output``.
 
     Checks shapes and limits without reading device data; block-table entries are trusted
     (``llmc.plugins.paged_attention.check_inputs`` validates them on the host when wanted).
 
     Args: as in :mod:`llmc.plugins.paged_attention`; scale defaults to 1/sqrt(head_dim), window
-    to 0 (full attention).
+    to 0 (full attention), softcap to 0 (none).
     """
     import torch
 
@@ -283,7 +297,8 @@ def paged_attention_triton(query, key, value, key_cache, value_cache, block_tabl
         if t.dtype not in (torch.int32, torch.int64):
             raise LlmcError(f"paged_attention_triton: {name} must be int32 or int64, got {t.dtype}")
     cfg = kernel_config(heads, kv_heads, head_dim, key_cache.shape[2], scale,
-                        fp32=query.dtype == torch.float32, decode_only=tokens == num_seqs, window=window)
+                        fp32=query.dtype == torch.float32, decode_only=tokens == num_seqs, window=window,
+                        softcap=softcap)
     output = torch.empty_like(query, memory_format=torch.contiguous_format)
     if tokens == 0 or num_seqs == 0:
         return output

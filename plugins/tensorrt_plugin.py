@@ -3,13 +3,14 @@
 Written against TensorRT's Python "quickly deployable plugin" API (``tensorrt.plugin``):
 
 - ``@trtp.register`` declares the op: the eight input tensors of the contract in
-  :mod:`llmc.plugins.paged_attention`, the float attribute ``scale`` and the int attribute
-  ``window`` (0: full attention), one output shaped and typed like ``query``.
+  :mod:`llmc.plugins.paged_attention`, the float attribute ``scale``, the int attribute
+  ``window`` (0: full attention) and the float attribute ``softcap`` (0: none), one output shaped
+  and typed like ``query``.
 - ``@trtp.aot_impl`` compiles :mod:`llmc.plugins.paged_attention_triton`'s kernel to PTX while the
   engine is built; TensorRT stores the PTX, launch grid and scalar arguments in the engine, so
   running the engine needs neither Python nor Triton. Attributes are not serialized on this path,
-  so ``scale``, ``window`` and the static dimensions are baked into the kernel as compile-time
-  constants.
+  so ``scale``, ``window``, ``softcap`` and the static dimensions are baked into the kernel as
+  compile-time constants.
 - ``@trtp.impl`` is the JIT fallback (Python + Triton at run time) for builds that ask for it.
 
 TensorRT launches an AOT kernel with its inputs, then the extra int32 scalars, then its outputs;
@@ -37,7 +38,7 @@ from llmc.plugins.paged_attention import PLUGIN_ID
 INPUT_NAMES = ("query", "key", "value", "key_cache", "value_cache", "block_tables",
                "context_lens", "query_start_loc")
 OUTPUT_NAMES = ("output",)
-ATTRIBUTE_NAMES = ("scale", "window")
+ATTRIBUTE_NAMES = ("scale", "window", "softcap")
 # Scalars TensorRT passes between the input and output pointers (see the Triton kernel).
 EXTRA_ARG_NAMES = ("num_seqs", "max_blocks_per_seq")
 FLOAT_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -121,7 +122,8 @@ def compile_kernel(cfg: Any, signature: dict[str, str], target: Any = None) -> d
 
 
 def aot_kernel(float_type: str, index_types: dict[str, str], num_heads: int, num_kv_heads: int,
-               head_dim: int, block_size: int, scale: float, target: Any = None, window: int = 0):
+               head_dim: int, block_size: int, scale: float, target: Any = None, window: int = 0,
+               softcap: float = 0.0):
     """Choose tiles that fit shared memory and compile; returns (KernelConfig, compiled dict).
 
     Args: the op's static dimensions and dtypes; target as in :func:`compile_kernel`.
@@ -133,7 +135,8 @@ def aot_kernel(float_type: str, index_types: dict[str, str], num_heads: int, num
     # fp16/bf16 fit the first; fp32 with head_dim 128 needs the smaller K/V tiles.
     for max_rows, block_n in ((64, 64), (32, 32), (16, 16)):
         cfg = kernel_config(num_heads, num_kv_heads, head_dim, block_size, scale,
-                            fp32=float_type == "fp32", max_rows=max_rows, block_n=block_n, window=window)
+                            fp32=float_type == "fp32", max_rows=max_rows, block_n=block_n, window=window,
+                            softcap=softcap)
         try:
             return cfg, compile_kernel(cfg, signature, target)
         except LlmcError as exc:  # too much shared memory: try a smaller tile
@@ -173,7 +176,7 @@ def register_plugin() -> None:
                              value: trtp.TensorDesc, key_cache: trtp.TensorDesc,
                              value_cache: trtp.TensorDesc, block_tables: trtp.TensorDesc,
                              context_lens: trtp.TensorDesc, query_start_loc: trtp.TensorDesc,
-                             scale: float, window: int) -> trtp.TensorDesc:
+                             scale: float, window: int, softcap: float) -> trtp.TensorDesc:
         for name, desc in (("key", key), ("value", value), ("key_cache", key_cache),
                            ("value_cache", value_cache)):
             if desc.dtype != query.dtype:
@@ -191,7 +194,7 @@ def register_plugin() -> None:
         query: trtp.TensorDesc, key: trtp.TensorDesc, value: trtp.TensorDesc,
         key_cache: trtp.TensorDesc, value_cache: trtp.TensorDesc, block_tables: trtp.TensorDesc,
         context_lens: trtp.TensorDesc, query_start_loc: trtp.TensorDesc, scale: float, window: int,
-        outputs: Tuple[trtp.TensorDesc], tactic: int,
+        softcap: float, outputs: Tuple[trtp.TensorDesc], tactic: int,
     ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]:
         cfg, kernel = aot_kernel(
             float_types[query.dtype],
@@ -202,7 +205,7 @@ def register_plugin() -> None:
             num_kv_heads=static_dim(key, 1, "num_kv_heads"),
             head_dim=static_dim(query, 2, "head_dim"),
             block_size=static_dim(key_cache, 2, "block_size"),
-            scale=scale, window=window)
+            scale=scale, window=window, softcap=softcap)
         tokens = query.shape_expr[0]
         num_seqs = context_lens.shape_expr[0]
         launch = trtp.KernelLaunchParams()
@@ -220,7 +223,8 @@ def register_plugin() -> None:
     def paged_attention_impl(
         query: trtp.Tensor, key: trtp.Tensor, value: trtp.Tensor, key_cache: trtp.Tensor,
         value_cache: trtp.Tensor, block_tables: trtp.Tensor, context_lens: trtp.Tensor,
-        query_start_loc: trtp.Tensor, scale: float, window: int, outputs: Tuple[trtp.Tensor], stream: int,
+        query_start_loc: trtp.Tensor, scale: float, window: int, softcap: float,
+        outputs: Tuple[trtp.Tensor], stream: int,
     ) -> None:
         import torch
 
@@ -229,5 +233,5 @@ def register_plugin() -> None:
         tensors = [torch.as_tensor(t, device="cuda") for t in (
             query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc)]
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            result = paged_attention_triton(*tensors, scale=scale, window=window)
+            result = paged_attention_triton(*tensors, scale=scale, window=window, softcap=softcap)
             torch.as_tensor(outputs[0], device="cuda").copy_(result)

@@ -26,8 +26,9 @@ def op(heads, kv_heads, head_dim, block_size, kv_dtype="float32"):
                      min_size=1, max_size=5),
        ratio=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([1, 4, 16, 256]),
        head_dim=st.sampled_from([64, 128]), scale=st.sampled_from([None, 0.05]),
-       kv_dtype=st.sampled_from(["float32", "float16"]), window=st.sampled_from([0, 0, 1, 5, 16, 40]))
-def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale, kv_dtype, window):
+       kv_dtype=st.sampled_from(["float32", "float16"]), window=st.sampled_from([0, 0, 1, 5, 16, 40]),
+       softcap=st.sampled_from([0.0, 0.0, 0.5, 50.0]))
+def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale, kv_dtype, window, softcap):
     rng = np.random.default_rng(seed)
     heads = 2 * ratio
     inputs, _ = build_case(rng, [p for p, _ in lens], [n for _, n in lens], heads, 2, head_dim, block_size,
@@ -37,9 +38,9 @@ def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale,
     inputs = (inputs[0], *(a.astype(kv_dtype) for a in inputs[1:5]), *inputs[5:])
     attention = op(heads, 2, head_dim, block_size, kv_dtype)
     layout = attention.layout(PagedBatch(*inputs[5:]), windows=(0, window))
-    got = attention(*inputs[:5], layout, scale, window)
+    got = attention(*inputs[:5], layout, scale, window, softcap)
     widened = (inputs[0], *(a.astype(np.float32) for a in inputs[1:5]), *inputs[5:])
-    want = paged_attention_reference(*widened, scale=scale, window=window)
+    want = paged_attention_reference(*widened, scale=scale, window=window, softcap=softcap)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4)
 
 

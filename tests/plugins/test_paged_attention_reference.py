@@ -78,6 +78,26 @@ def test_stale_table_entries_before_the_window_are_read_without_a_window():
         paged_attention_reference(*inputs)  # full attention reads every past block
 
 
+def test_softcap_bounds_scores_before_the_mask():
+    """Soft-capped scores equal plain attention whose scores were capped first: with a key
+    scaled up, capping changes the output, and capping with a huge cap does not."""
+    rng = np.random.default_rng(5)
+    inputs, (dense_k, dense_v) = build_case(rng, [6], [3], 2, 2, 64, 4)
+    query, key, value, *_ = inputs
+    plain = paged_attention_reference(*inputs)
+    np.testing.assert_allclose(paged_attention_reference(*inputs, softcap=1e6), plain, atol=1e-6)
+    capped = paged_attention_reference(*inputs, softcap=0.5)
+    k = np.concatenate([dense_k[0], key]).astype(np.float64)
+    v = np.concatenate([dense_v[0], value]).astype(np.float64)
+    scores = np.einsum("qhd,khd->hqk", query.astype(np.float64), k) * 64 ** -0.5
+    scores = 0.5 * np.tanh(scores / 0.5)
+    scores = np.where(np.arange(9)[None, None, :] <= 6 + np.arange(3)[None, :, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(capped, np.einsum("hqk,khd->qhd", probs, v), atol=1e-6)
+    assert np.abs(capped - plain).max() > 1e-2
+
+
 @pytest.fixture
 def case():
     return build_case(np.random.default_rng(2), [5, 9], [2, 1], 4, 2, 64, 4)[0]

@@ -99,3 +99,14 @@ def test_sliding_window_matches_reference(window):
     got = paged_attention_triton(*(torch.from_numpy(np.ascontiguousarray(a)) for a in inputs), window=window).numpy()
     np.testing.assert_allclose(got, paged_attention_reference(*inputs, window=window),
                                atol=TOLERANCE[np.float32], rtol=0)
+
+
+def test_softcap_and_window_match_reference():
+    from paged_cases import build_case
+
+    inputs, _ = build_case(np.random.default_rng(11), [37, 0], [20, 5], 4, 2, 64, 8, window=6)
+    inputs = (inputs[0] * 4, *inputs[1:])  # large scores, so capping at 0.7 matters
+    got = paged_attention_triton(*(torch.from_numpy(np.ascontiguousarray(a)) for a in inputs),
+                                 window=6, softcap=0.7).numpy()
+    np.testing.assert_allclose(got, paged_attention_reference(*inputs, window=6, softcap=0.7),
+                               atol=TOLERANCE[np.float32], rtol=0)

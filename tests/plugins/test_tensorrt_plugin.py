@@ -76,7 +76,7 @@ def test_descriptor_declares_exactly_the_contract():
     args = [a.arg for a in desc.args.args]
     assert args == contract_section("Inputs") + contract_section("Attributes")
     annotations = [ast.unparse(a.annotation) for a in desc.args.args]
-    assert annotations == ["trtp.TensorDesc"] * 8 + ["float", "int"]
+    assert annotations == ["trtp.TensorDesc"] * 8 + ["float", "int", "float"]
     assert not desc.args.defaults, "tensorrt.plugin.register rejects default values"
     # One output: a single TensorDesc, not a tuple.
     assert ast.unparse(desc.returns) == "trtp.TensorDesc"
@@ -139,11 +139,12 @@ import json, re, sys
 from triton.backends.compiler import GPUTarget
 from llmc.plugins import tensorrt_plugin as tp
 results = []
-for float_type, head_dim, heads, window in json.loads(sys.argv[1]):
+for float_type, head_dim, heads, window, softcap in json.loads(sys.argv[1]):
     cfg, kernel = tp.aot_kernel(float_type, dict.fromkeys(tp.INPUT_NAMES[5:], "i64"),
                                 num_heads=heads, num_kv_heads=8, head_dim=head_dim,
                                 block_size=16, scale=head_dim ** -0.5,
-                                target=GPUTarget("cuda", 90, 32), window=window)
+                                target=GPUTarget("cuda", 90, 32), window=window,
+                                softcap=softcap)
     entry = re.search(r"\\.entry\\s+" + kernel["name"] + r"\\s*\\((.*?)\\)", kernel["ptx"], re.S)
     results.append({"params": len([p for p in entry.group(1).split(",") if p.strip()]),
                     "shared": kernel["shared"], "threads": kernel["threads"],
@@ -159,8 +160,9 @@ def test_aot_kernel_compiles_to_ptx_in_tensorrt_launch_order():
     import json
     import os
 
-    # fp32 compiles slowly (~10 s): GPU check. A sliding window keeps the launch order.
-    cases = [("fp16", 128, 32, 0), ("bf16", 64, 16, 4096)]
+    # fp32 compiles slowly (~10 s): GPU check. A sliding window and soft-capping keep the
+    # launch order.
+    cases = [("fp16", 128, 32, 0, 0.0), ("bf16", 64, 16, 4096, 50.0)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", AOT_COMPILE, json.dumps(cases)], env=env,
                          capture_output=True, text=True)
