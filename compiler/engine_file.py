@@ -18,7 +18,7 @@ import mmap
 import os
 import struct
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +33,13 @@ _CHUNK = 1 << 26
 
 @dataclass(frozen=True)
 class EngineFile:
-    """An engine loaded from disk: its manifest and its sections as bytes-like views."""
+    """An engine loaded from disk: its manifest and its sections as bytes-like views (and where
+    in the file each starts, for readers that read a section from disk themselves)."""
 
     path: Path
     manifest: dict[str, Any]
     sections: dict[str, memoryview]
+    offsets: dict[str, int] = field(default_factory=dict)  # sections' absolute file offsets
 
 
 def write_engine(path: str | os.PathLike, manifest: dict[str, Any],
@@ -115,7 +117,7 @@ def read_engine(path: str | os.PathLike, *, verify: bool = True) -> EngineFile:
         manifest, data_start = _read_header(path, f.read(_HEADER.size), f)
         size = os.fstat(f.fileno()).st_size
         view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
-        sections = {}
+        sections, offsets = {}, {}
         for entry in manifest["sections"]:
             begin = data_start + entry["offset"]
             end = begin + entry["length"]
@@ -126,7 +128,8 @@ def read_engine(path: str | os.PathLike, *, verify: bool = True) -> EngineFile:
                 raise LlmcError(f"{path}: corrupted engine file (checksum mismatch in section "
                                 f"'{entry['name']}')")
             sections[entry["name"]] = view[begin:end]
-    return EngineFile(path, manifest, sections)
+            offsets[entry["name"]] = begin
+    return EngineFile(path, manifest, sections, offsets)
 
 
 def _file_digest(f, begin: int, length: int) -> str:

@@ -21,6 +21,7 @@ import mmap
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,15 @@ EXTERNAL_MIN_BYTES = 1024
 _ALIGN = 4096
 _CHUNK = 1 << 26
 _TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """External data that stays on disk: `path` from byte `offset` on (a model's data file, or
+    an engine's data section). onnxruntime reads it itself, holding the weights once."""
+
+    path: Path
+    offset: int = 0
 
 
 def load_onnx(path: str | os.PathLike, *, load_weights: bool = True) -> onnx.ModelProto:
@@ -269,11 +279,11 @@ def check_model(model: onnx.ModelProto) -> None:
         onnx.checker.check_model(str(Path(folder) / "model.onnx"))
 
 
-def serialize(model: onnx.ModelProto) -> dict[str, bytes | memoryview]:
+def serialize(model: onnx.ModelProto) -> dict[str, bytes | memoryview | FileRange]:
     """The model as files: {"model.onnx": ...}, plus "model.onnx.data" when past 2 GB.
 
-    The data is a read-only memory map of a file (the model's own data file when all its weights
-    are in one, else a temporary copy), not bytes in memory.
+    The data is never bytes in memory: the model's own data file as a `FileRange` when all its
+    weights are in one, else a read-only memory map of a temporary copy.
     """
     if not _has_external_weights(model):
         return {"model.onnx": model.SerializeToString()}
@@ -285,11 +295,22 @@ def serialize(model: onnx.ModelProto) -> dict[str, bytes | memoryview]:
         for tensor in _get_all_tensors(graph):
             if uses_external_data(tensor):
                 _set_location(tensor, "model.onnx.data")
-        return {"model.onnx": graph.SerializeToString(), "model.onnx.data": _map_file(sources.pop())}
+        return {"model.onnx": graph.SerializeToString(), "model.onnx.data": FileRange(Path(sources.pop()))}
     with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
         files = write_model_files(model, folder)
         return {"model.onnx": files["model.onnx"].read_bytes(),
                 "model.onnx.data": _map_file(files["model.onnx.data"])}  # mapped before the folder goes
+
+
+def point_to_file(graph: bytes, data: FileRange) -> bytes:
+    """A serialized graph whose "model.onnx.data" references now name `data`'s file (by its
+    base name: onnxruntime resolves it in that folder), at offsets shifted by `data.offset`."""
+    model = onnx.load_from_string(bytes(graph))
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            info = ExternalDataInfo(tensor)
+            _set_external(tensor, data.path.name, (info.offset or 0) + data.offset, _external_length(tensor))
+    return model.SerializeToString()
 
 
 def load_model_files(files: dict, folder: str | os.PathLike) -> onnx.ModelProto:

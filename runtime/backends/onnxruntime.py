@@ -10,29 +10,43 @@ import onnxruntime as ort
 
 from llmc.compiler.decoder_interface import Geometry
 from llmc.compiler.engine_file import EngineFile
+from llmc.compiler.onnx_io import FileRange, point_to_file
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 
 def open_session(files: dict, folder: str, options: ort.SessionOptions) -> ort.InferenceSession:
-    """A CPU session over a serialized model: from memory, external data included.
+    """A CPU session over a serialized model, external data included, without copying it to disk.
 
     Args:
-        files: "model.onnx" bytes, plus "model.onnx.data" (bytes-like, e.g. a memory-mapped
-            engine section) for models past 2 GB; handed to onnxruntime as an in-memory file,
-            never written out (onnxruntime copies the tensors it needs).
+        files: "model.onnx" bytes, plus "model.onnx.data" for models past 2 GB: a `FileRange`
+            (onnxruntime reads the file itself and holds the weights once) or bytes-like
+            (handed over as an in-memory file; onnxruntime copies it, so resident memory holds
+            both until the caller drops it).
         folder: unused; kept for callers that still pass one.
-        options: session options. onnxruntime keeps the in-memory file in them and takes it
-            once: sessions sharing `options` must share the data (as a paged engine's segments do).
+        options: session options. onnxruntime keeps the in-memory file (or the data folder) in
+            them: sessions sharing `options` must share the data (as a paged engine's segments do).
     """
-    if "model.onnx.data" in files:
-        data = files["model.onnx.data"]
+    graph, data = files["model.onnx"], files.get("model.onnx.data")
+    if isinstance(data, FileRange):
+        graph = point_to_file(graph, data)
+        key, folder = "session.model_external_initializers_file_folder_path", str(data.path.resolve().parent)
+        if _config_entry(options, key) != folder:
+            options.add_session_config_entry(key, folder)
+    elif data is not None:
         try:
             options.add_external_initializers_from_files_in_memory(["model.onnx.data"], [data], [len(data)])
         except RuntimeError as exc:
             if "already been added" not in str(exc):
                 raise
-    return ort.InferenceSession(bytes(files["model.onnx"]), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(bytes(graph), options, providers=["CPUExecutionProvider"])
+
+
+def _config_entry(options: ort.SessionOptions, key: str) -> str | None:
+    try:
+        return options.get_session_config_entry(key)
+    except RuntimeError:
+        return None
 
 
 class OnnxRuntimeDecoder:
@@ -52,8 +66,9 @@ class OnnxRuntimeDecoder:
         if threads:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3
-        files = {name: engine.sections[name] for name in ("model.onnx", "model.onnx.data")
-                 if name in engine.sections}
+        files = {"model.onnx": engine.sections["model.onnx"]}
+        if "model.onnx.data" in engine.sections:  # past 2 GB: onnxruntime reads the weights from the engine
+            files["model.onnx.data"] = FileRange(engine.path, engine.offsets["model.onnx.data"])
         self._unpacked = tempfile.TemporaryDirectory(prefix="llmc-engine-")
         self.session = open_session(files, self._unpacked.name, options)
         layers = range(self.geometry.num_layers)
