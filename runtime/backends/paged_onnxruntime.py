@@ -21,7 +21,7 @@ from onnx import helper
 
 from llmc.compiler.decoder_interface import Geometry
 from llmc.compiler.engine_file import EngineFile
-from llmc.compiler.onnx_io import infer_shapes, serialize
+from llmc.compiler.onnx_io import FileRange, infer_shapes, serialize
 from llmc.errors import LlmcError
 from llmc.passes.graph import attr
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch
@@ -142,13 +142,13 @@ class PagedDecoder:
         max_seq_len: longest sequence the engine was sized for; default the model's positions.
         threads: CPU threads; None uses every core.
         kv_dtype: the pool's element type ("float32" or "float16").
-        weights: the data file `model`'s external tensors reference as "model.onnx.data" (a
-            large engine's mapped section); None when its weights are inline.
+        weights: where the data `model`'s external tensors reference as "model.onnx.data" is
+            (a large engine's data section, read by onnxruntime from disk); None when inline.
     """
 
     def __init__(self, model: onnx.ModelProto, geometry: Geometry, block_size: int, num_blocks: int,
                  max_seq_len: int | None = None, threads: int | None = None, kv_dtype: str = "float32",
-                 weights: memoryview | None = None):
+                 weights: FileRange | None = None):
         self.geometry, self.block_size = geometry, block_size
         self.max_seq_len = max_seq_len or geometry.max_positions
         options = session_options(threads)
@@ -171,12 +171,12 @@ class PagedDecoder:
     def from_engine(cls, engine: EngineFile, threads: int | None = None) -> "PagedDecoder":
         """The decoder of a paged engine file, with the pool its manifest sized."""
         manifest, paged = engine.manifest, engine.manifest["paged"]
-        # Past 2 GB the graph references its weights in the engine's mapped data section, unread.
+        # Past 2 GB the graph references its weights in the engine's data section, unread.
         model = onnx.load_from_string(bytes(engine.sections["model.onnx"]))
+        weights = FileRange(engine.path, engine.offsets["model.onnx.data"]) if "model.onnx.data" in engine.sections else None
         # Engines written before kv_dtype had float32 pools.
         return cls(model, Geometry(**manifest["geometry"]), paged["block_size"], paged["num_blocks"],
-                   paged["max_seq_len"], threads, paged.get("kv_dtype", "float32"),
-                   engine.sections.get("model.onnx.data"))
+                   paged["max_seq_len"], threads, paged.get("kv_dtype", "float32"), weights)
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
              rows: np.ndarray | None = None) -> np.ndarray:
