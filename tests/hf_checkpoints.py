@@ -21,8 +21,10 @@ from llmc.tokenizer import byte_level_tokenizer
 
 # FAMILIES: the original four, which other tests iterate (keep its meaning stable).
 # ALL_FAMILIES: every family `llmc export` supports, for the model and generation tests.
+# VARIANTS: other settings of those families, for the model parity tests only.
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 ALL_FAMILIES = (*FAMILIES, "llama3", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt_neox")
+VARIANTS = ("qwen2-layer-windows", "phi3-partial-rotary-window", "gpt_neox-sequential")
 
 # Small configs, vocab 258 to fit the byte-level tokenizer. Each exercises a feature:
 # llama: GQA, Llama 3 rope scaling, q/k/v/o bias; qwen2: q/k/v bias, tied embeddings;
@@ -104,6 +106,19 @@ CONFIGS: dict[str, Any] = {
         max_position_embeddings=128, rotary_pct=0.5, use_parallel_residual=True,
         bos_token_id=256, eos_token_id=257, initializer_range=_INIT_STD, tie_word_embeddings=False,
     ),
+    # Qwen2 windows the layers from max_window_layers on: layer 0 full, layer 1 sliding.
+    "qwen2-layer-windows": lambda: transformers.Qwen2Config(
+        **_LLAMA_COMMON, use_sliding_window=True, sliding_window=4, max_window_layers=1
+    ),
+    "phi3-partial-rotary-window": lambda: transformers.Phi3Config(
+        **_LLAMA_COMMON, original_max_position_embeddings=128, pad_token_id=257, partial_rotary_factor=0.5,
+        sliding_window=4,
+    ),
+    "gpt_neox-sequential": lambda: transformers.GPTNeoXConfig(
+        vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=128, rotary_pct=0.25, use_parallel_residual=False, hidden_act="gelu_new",
+        bos_token_id=256, eos_token_id=257, initializer_range=_INIT_STD,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=258, n_embd=64, n_layer=2, n_head=4, n_positions=128,
         bos_token_id=256,
@@ -118,12 +133,12 @@ def write_hf_checkpoint(folder: Path, family: str, *, sharded: bool = False, see
 
     Args:
         folder: destination folder, created if missing.
-        family: one of ALL_FAMILIES.
+        family: one of ALL_FAMILIES or VARIANTS.
         sharded: write several safetensors shards plus model.safetensors.index.json.
         seed: torch.manual_seed for the weights.
     """
     if family not in CONFIGS:
-        raise ValueError(f"unknown family {family!r} (known: {', '.join(ALL_FAMILIES)})")
+        raise ValueError(f"unknown family {family!r} (known: {', '.join(CONFIGS)})")
     folder = Path(folder)
     torch.manual_seed(seed)
     config = CONFIGS[family]()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_checkpoints import ALL_FAMILIES, hf_model
+from hf_checkpoints import ALL_FAMILIES, VARIANTS, hf_model
 from llmc.models import load_checkpoint
 
 ATOL = 1e-4
@@ -87,7 +87,7 @@ def test_prefill_and_decode_match_transformers(hf_checkpoint: Callable[..., Path
     _run_and_compare(hf_checkpoint(family, sharded), torch.ones(2, 7, dtype=torch.long))
 
 
-@pytest.mark.parametrize("family", ALL_FAMILIES)
+@pytest.mark.parametrize("family", ALL_FAMILIES + VARIANTS)
 def test_left_padded_batch_matches_transformers(hf_checkpoint: Callable[..., Path], family: str) -> None:
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[0, :3] = 0  # row 0: 3 pad tokens on the left
