@@ -10,8 +10,15 @@ ONNX Attention-23 and RotaryEmbedding-23 take the 3-D projections directly (with
 nodes per layer go: on a decode step, where each node costs more in dispatch than in arithmetic,
 that is a measurable share of the step. The cache (past/present) keeps its 4-D layout.
 
-Preconditions: run after fuse-rotary and fuse-attention, with shapes refreshed (head counts and
-head size must be static).
+Any other 4-D Attention (exporters that split heads differently: GPT-2's 2-D output projection,
+GPT-NeoX's interleaved QKV and partial rotary, Qwen3's per-head norms, Phi-3's rotary Concat) gets
+the 3-D form too, with explicit conversions around it: each 4-D input becomes
+``Reshape(Transpose(x, [0, 2, 1, 3]), [0, 0, -1])`` and the output goes back to 4-D the same way,
+unless its readers were a Transpose + Reshape to match. Every Attention leaves this pass 3-D,
+which the paged lowering needs.
+
+Preconditions: run after fuse-rotary and fuse-attention, with shapes refreshed (head size must be
+static; the query head count comes from the shapes, else from the ``llmc.num_heads`` metadata).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import onnx
 
 from llmc.passes.base import RewritePass
+import numpy as np
+
 from llmc.passes.graph import Graph, Rewrite, attr
 
 _HEADS_TO_FRONT = [0, 2, 1, 3]
@@ -32,28 +41,79 @@ class Attention3dLayout(RewritePass):
     def rewrite(self, graph: Graph, attention: onnx.NodeProto) -> Rewrite | None:
         if graph.rank(attention.input[0]) != 4:
             return None  # already 3-D
-        removed, added, flat = [attention], [], []
+        removed, added, initializers, flat = [attention], [], [], []
         heads = []
-        for name in attention.input[:3]:
+        for position, name in enumerate(attention.input[:3]):
             found = _flat_source(graph, name, removed, added)
+            if found is None:
+                found = _flattened(graph, name, _head_count(graph, attention, position), added, initializers)
             if found is None:
                 return None
             flat.append(found[0])
             heads.append(found[1])
         if heads[1] != heads[2]:
             return None
-        transpose = graph.only_consumer(attention.output[0])
-        reshape = transpose and graph.only_consumer(transpose.output[0])
-        if (transpose is None or transpose.op_type != "Transpose" or reshape is None
-                or reshape.op_type != "Reshape" or list(attr(transpose, "perm", [])) != _HEADS_TO_FRONT
-                or graph.rank(reshape.output[0]) != 3):
+        output = _flat_output(graph, attention, removed, added, initializers)
+        if output is None:
             return None
-        removed += [transpose, reshape]
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in attention.attribute}
-        fused = graph.node("Attention", flat + list(attention.input[3:]),
-                           [reshape.output[0], *attention.output[1:]],
+        fused = graph.node("Attention", flat + list(attention.input[3:]), [output, *attention.output[1:]],
                            q_num_heads=heads[0], kv_num_heads=heads[1], **attributes)
-        return Rewrite(removed, added + [fused])
+        return Rewrite(removed, added + [fused], initializers)
+
+
+def _flat_output(graph: Graph, attention: onnx.NodeProto, removed: list, added: list,
+                 initializers: list) -> str | None:
+    """The name the 3-D Attention output takes: the output Reshape's when the readers are
+    Transpose(perm=[0, 2, 1, 3]) + Reshape to 3-D (both removed), else a fresh name turned back
+    into the 4-D output by new nodes."""
+    transpose = graph.only_consumer(attention.output[0])
+    reshape = transpose and graph.only_consumer(transpose.output[0])
+    if (transpose is not None and transpose.op_type == "Transpose" and reshape is not None
+            and reshape.op_type == "Reshape" and list(attr(transpose, "perm", [])) == _HEADS_TO_FRONT
+            and graph.rank(reshape.output[0]) == 3):
+        removed += [transpose, reshape]
+        return reshape.output[0]
+    shape = graph.shape(attention.output[0])
+    head_dim = shape[3] if shape is not None and len(shape) == 4 else None
+    if not isinstance(head_dim, int):
+        return None
+    flat = graph.fresh("attention_3d")
+    split = graph.initializer("split_heads", np.array([0, 0, -1, head_dim], np.int64))
+    unflat = graph.node("Reshape", [flat, split.name])
+    added += [unflat, graph.node("Transpose", unflat.output, [attention.output[0]], perm=_HEADS_TO_FRONT)]
+    initializers.append(split)
+    return flat
+
+
+def _head_count(graph: Graph, attention: onnx.NodeProto, position: int) -> int | None:
+    """Heads of the 4-D Attention input at `position` (0: Q, 1: K, 2: V): its static dim 1, else
+    the cache's (K and V), else the model's ``llmc.num_heads`` metadata (Q)."""
+    shape = graph.shape(attention.input[position])
+    if shape is not None and len(shape) == 4 and isinstance(shape[1], int):
+        return shape[1]
+    if position > 0 and len(attention.input) > 3 + position:
+        cache = graph.shape(attention.input[3 + position])  # past_key / past_value
+        if cache is not None and len(cache) == 4 and isinstance(cache[1], int):
+            return cache[1]
+    if position == 0:
+        for prop in graph.model.metadata_props:
+            if prop.key == "llmc.num_heads" and prop.value.isdigit():
+                return int(prop.value)
+    return None
+
+
+def _flattened(graph: Graph, name: str, heads: int | None, added: list, initializers: list):
+    """(3-D tensor, heads) computed from the 4-D [batch, heads, seq, dim] `name` by new nodes."""
+    shape = graph.shape(name)
+    if heads is None or shape is None or len(shape) != 4 or not isinstance(shape[3], int):
+        return None
+    merge = graph.initializer("merge_heads", np.array([0, 0, heads * shape[3]], np.int64))
+    transpose = graph.node("Transpose", [name], perm=_HEADS_TO_FRONT)
+    reshape = graph.node("Reshape", [transpose.output[0], merge.name])
+    added += [transpose, reshape]
+    initializers.append(merge)
+    return reshape.output[0], heads
 
 
 def _flat_source(graph: Graph, name: str, removed: list, added: list):

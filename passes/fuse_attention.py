@@ -5,6 +5,8 @@ Matches, anchored on Softmax over the last axis::
     scores = MatMul(Q, Kᵀ)          Kᵀ = Transpose(repeat(K), perm=[0, 1, 3, 2]), or SDPA's
                                       Reshape(Transpose(Reshape(repeat(K)), perm=[0, 2, 1]))
     scores = scores · scale | scores / scale | MatMul(Q · a, Kᵀ · b)   (scalar constants)
+    scores = Tanh(scores / c) · c                                       (optional: Gemma-2's
+                                                                          soft-capping → softcap)
     scores = Where(cond, scores, very_negative) | scores + mask         (optional)
     probs  = Softmax(scores), then any same-type Casts and SDPA's Where(IsNaN(p), 0, p)
     out    = MatMul(probs, repeat(V))
@@ -55,6 +57,7 @@ class FuseAttention(RewritePass):
         scores, mask_nodes, mask_initializers, mask = _strip_mask(graph, softmax.input[0], matched)
         if scores is None:
             return None
+        scores, softcap = _strip_softcap(graph, scores, matched)
         scores, scale = _strip_scale(graph, scores, matched)
         qk = graph.producer_of(scores, "MatMul")
         if qk is None:
@@ -69,8 +72,9 @@ class FuseAttention(RewritePass):
         key = _untransposed(graph, key_t, matched)
         if key is None:
             return None
-        key = _strip_repeat(graph, key, matched)
-        value = _strip_repeat(graph, pv.input[1], matched)
+        key_rep, value_rep = key, pv.input[1]
+        key = _strip_repeat(graph, key_rep, matched)
+        value = _strip_repeat(graph, value_rep, matched)
         if graph.rank(query) != 4 or graph.rank(key) != 4 or graph.rank(value) != 4:
             return None
 
@@ -78,14 +82,75 @@ class FuseAttention(RewritePass):
         value_new, past_value, present_value = _split_cache(graph, value, matched)
         if (past_key is None) != (past_value is None):
             return None
+        # sdpa exports slice the mask to Shape(repeated K)[-2]; that Shape dies with the match,
+        # so its readers get the same dims computed from the cache's parts instead.
+        shape_nodes, shape_constants = [], []
+        if past_key is not None:
+            for repeated, past, new in ((key_rep, past_key, key_new), (value_rep, past_value, value_new)):
+                nodes, constants = _reroute_shapes(graph, repeated, past, new, matched)
+                shape_nodes += nodes
+                shape_constants += constants
 
         inputs = [query, key_new, value_new, mask or ""]
         outputs = [pv.output[0]]
         if past_key is not None:
             inputs += [past_key, past_value]
             outputs += [present_key, present_value]
-        attention = graph.node("Attention", inputs, outputs, scale=float(scale))
-        return Rewrite(matched, mask_nodes + [attention], mask_initializers)
+        # Attention-23 applies softcap before the mask, as the decomposed graph does.
+        attention = graph.node("Attention", inputs, outputs, scale=float(scale),
+                               **({"softcap": softcap} if softcap else {}))
+        return Rewrite(matched, shape_nodes + mask_nodes + [attention], shape_constants + mask_initializers)
+
+
+def _reroute_shapes(graph: Graph, repeated: str, past: str, new: str, matched: list):
+    """Nodes computing each Shape(repeated) as Shape(past) · [0, 0, 1, 0] + Shape(new) — the cache
+    Concat(past, new)'s shape, which the repeated K/V share but for the head axis — for every
+    Shape whose readers take only the other axes; the old Shapes join `matched`. Returns (new
+    nodes, new initializers).
+
+    The present tensor itself cannot serve: the fused Attention computes it from the mask.
+    """
+    nodes, constants = [], []
+    for shape in graph.consumers.get(repeated, []):
+        if (shape.op_type != "Shape" or shape in matched or shape.attribute or graph.rank(repeated) != 4
+                or not _reads_only_dims(graph, shape, {0, 2, 3})):
+            continue
+        past_shape = graph.node("Shape", [past])
+        new_shape = graph.node("Shape", [new])
+        length_only = graph.initializer("cache_length_axis", np.array([0, 0, 1, 0], np.int64))
+        past_length = graph.node("Mul", [past_shape.output[0], length_only.name])
+        nodes += [past_shape, new_shape, past_length,
+                  graph.node("Add", [past_length.output[0], new_shape.output[0]], list(shape.output))]
+        matched.append(shape)
+        constants.append(length_only)
+    return nodes, constants
+
+
+def _reads_only_dims(graph: Graph, shape: onnx.NodeProto, dims: set[int], rank: int = 4) -> bool:
+    """Whether every reader of Shape(x) (x of rank `rank`) takes only dims in `dims`, through
+    Gather or Slice by constant indices."""
+    start, end = attr(shape, "start", 0), attr(shape, "end", rank)
+    start, end = start + rank if start < 0 else start, min(end + rank if end < 0 else end, rank)
+    offered = list(range(start, end))
+    if shape.output[0] in graph.outputs:
+        return False
+    for reader in graph.consumers.get(shape.output[0], []):
+        if reader.op_type == "Gather" and attr(reader, "axis", 0) == 0:
+            index = graph.constant(reader.input[1])
+            positions = None if index is None else np.ravel(index).tolist()
+        elif reader.op_type == "Slice" and reader.input[0] == shape.output[0]:
+            bounds = [graph.constant(n) if n else None for n in list(reader.input[1:]) + [""] * 4][:4]
+            if bounds[0] is None or bounds[1] is None or (bounds[2] is not None and list(np.ravel(bounds[2])) != [0]):
+                return False
+            step = 1 if bounds[3] is None else int(np.ravel(bounds[3])[0])
+            positions = list(range(len(offered)))[int(np.ravel(bounds[0])[0]):int(np.ravel(bounds[1])[0]):step]
+        else:
+            return False
+        if positions is None or any(not -len(offered) <= i < len(offered) for i in positions):
+            return False
+        if any(offered[i] not in dims for i in positions):
+            return False
+    return True
 
 
 def _skip_probability_noops(graph: Graph, probs: str, matched: list) -> str:
@@ -173,6 +238,24 @@ def _finite_mask(graph: Graph, mask: str):
     lowest = graph.initializer("attn_mask_fill", np.array(np.finfo(dtype).min, dtype))
     finite = graph.node("Where", [where.input[0], zero.name, lowest.name])
     return [finite], [zero, lowest], finite.output[0]
+
+
+def _strip_softcap(graph: Graph, name: str, matched: list) -> tuple[str, float | None]:
+    """(x, c) when `name` is Tanh(x / c) · c (or Tanh(x · 1/c) · c) with one constant c > 0."""
+    outer = graph.producer_of(name, "Mul")
+    if outer is None:
+        return name, None
+    for capped, const in ((outer.input[0], outer.input[1]), (outer.input[1], outer.input[0])):
+        cap, tanh = graph.scalar(const), graph.producer_of(capped, "Tanh")
+        if cap is None or cap <= 0 or tanh is None or graph.only_consumer(capped) is not outer:
+            continue
+        inner = []
+        data, inverse = _strip_scale(graph, tanh.input[0], inner)
+        if inverse is None or abs(inverse * cap - 1) > 1e-6 or graph.only_consumer(tanh.input[0]) is not tanh:
+            continue
+        matched += [outer, tanh, *inner]
+        return data, float(cap)
+    return name, None
 
 
 def _strip_scale(graph: Graph, name: str, matched: list) -> tuple[str, float | None]:

@@ -23,7 +23,8 @@ subgraph die with the old interface.
 
 Sliding windows: the fused Attention's mask is dropped with the old interface, so a layer's window
 (Mistral, Gemma-2/3's local layers) comes from the model's metadata (`DecoderInterface.windows`)
-and becomes its PagedAttention's ``window`` attribute. Layer i's Attention is the one that reads
+and becomes its PagedAttention's ``window`` attribute. The Attention's ``softcap`` (Gemma-2) is
+carried over as it is. Layer i's Attention is the one that reads
 ``past_key_values.{i}.key``.
 
 Preconditions: run last, after attention-3d-layout. A layer whose attention was not
@@ -130,6 +131,11 @@ class LowerPagedAttention(Pass):
         graph.remove_dead()
         stale = {"attention_mask"} | {i for i in inputs if i.startswith("past_key_values.")}
         for node in model.graph.node:
+            # torch.export may read the batch size off any input with that dim, a past one
+            # included (GPT-2); the packed interface's batch is input_ids' too.
+            if (node.op_type == "Shape" and node.input[0] in stale and node.input[0] != "attention_mask"
+                    and attr(node, "start", 0) == 0 and attr(node, "end", None) == 1):
+                node.input[0] = "input_ids"
             if stale & set(node.input):
                 raise LlmcError(f"paged lowering: node '{node.name}' ({node.op_type}) still reads "
                                 f"{sorted(stale & set(node.input))[0]}, which the paged interface drops")
@@ -160,13 +166,16 @@ class LowerPagedAttention(Pass):
         constants = [rows(f"{prefix}/q_rows", heads), rows(f"{prefix}/kv_rows", kv_heads), flat]
         query, key, value = attention.input[:3]
         scale = attr(attention, "scale")
+        # Attention-23's softcap caps scores before the mask, as the paged op's does.
+        softcap = 0.0
         nodes = [helper.make_node("Reshape", [query, f"{prefix}/q_rows"], [f"{prefix}/q"]),
                  helper.make_node("Reshape", [key, f"{prefix}/kv_rows"], [f"new_key.{layer}"]),
                  helper.make_node("Reshape", [value, f"{prefix}/kv_rows"], [f"new_value.{layer}"]),
                  paged_attention_node(f"{prefix}/q", f"new_key.{layer}", f"new_value.{layer}",
                                       f"key_cache.{layer}", f"value_cache.{layer}", f"{prefix}/out",
                                       name=f"{prefix}/PagedAttention",
-                                      scale=head_dim ** -0.5 if scale is None else scale, window=window),
+                                      scale=head_dim ** -0.5 if scale is None else scale, window=window,
+                                      softcap=softcap),
                  helper.make_node("Reshape", [f"{prefix}/out", f"{prefix}/flat"], [attention.output[0]])]
         attended = helper.make_tensor_value_info(f"{prefix}/out", dtype, ["tokens", heads, head_dim])
         return nodes, constants, attended

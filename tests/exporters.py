@@ -9,13 +9,17 @@ ONNX decoder with past through one of:
   default exporter of torch >= 2.9.
 - ``torchscript``: the same transformers model through the TorchScript exporter
   (`torch.onnx.export(..., dynamo=False, opset_version=17, dynamic_axes=...)`), as Optimum uses.
+- ``optimum``: Optimum itself (`main_export(task="text-generation-with-past")`, what
+  `optimum-cli export onnx --task text-generation-with-past` runs), from a venv of its own because
+  optimum-onnx pins transformers < 4.58 (`optimum_python`; tests/README.md). Its graph is
+  transformers 4.57's sdpa attention through the TorchScript exporter at opset 18.
 
 All three write the same interface: inputs ``input_ids``, ``attention_mask``, ``position_ids``,
 ``past_key_values.{i}.key|value`` [batch, kv_heads, past, head_dim]; outputs ``logits`` and
 ``present.{i}.key|value`` [batch, kv_heads, past + sequence, head_dim] (the whole cache, also for
 Mistral's sliding window: the window is applied by the attention mask). Batch, sequence and past are
-dynamic (past may be 0). Weights are inline; the ``llmc.num_heads`` / ``llmc.max_positions`` metadata
-and the embedded tokenizer (``llmc.tokenizer``, from the folder's tokenizer.json) let `llmc compile`
+dynamic (past may be 0). Weights are inline; the ``llmc.num_heads`` / ``llmc.max_positions`` (and,
+for windowed models, ``llmc.sliding_window``) metadata and the embedded tokenizer (``llmc.tokenizer``, from the folder's tokenizer.json) let `llmc compile`
 take the file alone, with no config.json or tokenizer.json beside it.
 
 `tests/EXPORTER_PATTERNS.md` describes the op patterns each (family, exporter) graph holds.
@@ -26,7 +30,12 @@ sys.path).
 
 from __future__ import annotations
 
+import fcntl
 import io
+import os
+import subprocess
+import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -36,12 +45,17 @@ import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
-from llmc.compiler.decoder_interface import Geometry, geometry_metadata
+from llmc.compiler.decoder_interface import Geometry, _config_windows, geometry_metadata
 from llmc.compiler.export import io_names, quiet_exporter
 from llmc.compiler.onnx_io import save_onnx
 from llmc.tokenizer import Tokenizer
 
-EXPORTERS = ("llmc", "dynamo", "torchscript")
+EXPORTERS = ("llmc", "dynamo", "torchscript", "optimum")
+
+# Where the Optimum venv is built once and kept between test runs.
+CACHE = Path(os.environ.get("LLMC_TEST_CACHE", Path.home() / ".cache" / "llmc-tests"))
+OPTIMUM_REQUIREMENT = "optimum-onnx==0.1.0"
+_OPTIMUM_SCRIPT = Path(__file__).with_name("optimum_export.py")
 
 # Example sizes for tracing: 0 and 1 would be specialized (torch.export) or baked in, so use larger.
 _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 3, 4
@@ -56,7 +70,11 @@ def export_decoder(folder: Path, exporter: str, output: Path, *, attention: str 
         exporter: one of EXPORTERS.
         output: the .onnx file to write; its folder is created if missing.
         attention: the transformers attention implementation for the ``dynamo`` and
-            ``torchscript`` exporters ("eager" or "sdpa"); ignored by ``llmc``.
+            ``torchscript`` exporters ("eager" or "sdpa"); ignored by ``llmc`` and ``optimum``
+            (which exports transformers' default, sdpa).
+
+    Raises:
+        ExporterUnavailable: the ``optimum`` venv cannot be built here (tests skip on it).
     """
     folder, output = Path(folder), Path(output)
     if exporter not in EXPORTERS:
@@ -68,19 +86,25 @@ def export_decoder(folder: Path, exporter: str, output: Path, *, attention: str 
         export(str(folder), output, check=False)
         return output
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, attn_implementation=attention, dtype=torch.float32).eval()
-    geometry = hf_geometry(model.config)
-    wrapper = FlatCacheDecoder(model).eval()
-    example = _example_inputs(geometry)
-    with warnings.catch_warnings(), quiet_exporter(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        if exporter == "dynamo":
-            proto = _export_dynamo(wrapper, example, geometry)
-        else:
-            proto = _export_torchscript(wrapper, example, geometry)
+    if exporter == "optimum":
+        config = transformers.AutoConfig.from_pretrained(folder)
+        geometry = hf_geometry(config)
+        proto = _export_optimum(folder, output.parent)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, attn_implementation=attention, dtype=torch.float32).eval()
+        config = model.config
+        geometry = hf_geometry(config)
+        wrapper = FlatCacheDecoder(model).eval()
+        example = _example_inputs(geometry)
+        with warnings.catch_warnings(), quiet_exporter(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            if exporter == "dynamo":
+                proto = _export_dynamo(wrapper, example, geometry)
+            else:
+                proto = _export_torchscript(wrapper, example, geometry)
     props = {p.key: p.value for p in proto.metadata_props}
-    props.update(geometry_metadata(geometry))
+    props.update(geometry_metadata(geometry, hf_windows(config)))
     props["llmc.source_model"] = f"{folder.name} ({exporter} exporter, {attention} attention)"
     if (folder / "tokenizer.json").is_file():
         props[TOKENIZER_METADATA_KEY] = Tokenizer.from_folder(folder).to_json()
@@ -138,6 +162,56 @@ def hf_geometry(config: transformers.PreTrainedConfig) -> Geometry:
         vocab_size=config.vocab_size,
         max_positions=getattr(config, "max_position_embeddings", None) or config.n_positions,
     )
+
+
+def hf_windows(config: transformers.PreTrainedConfig) -> list[int] | None:
+    """Each layer's attention window (0: full), read from the config as `llmc compile` reads a
+    config.json beside a graph; None when no layer is windowed."""
+    return _config_windows(config.to_dict())
+
+
+class ExporterUnavailable(RuntimeError):
+    """The exporter cannot run on this machine (its package could not be installed)."""
+
+
+def optimum_python() -> Path:
+    """The python of a venv holding Optimum, built on first use and cached under CACHE.
+
+    `python -m venv --system-site-packages` plus `pip install optimum-onnx==0.1.0`: torch and
+    onnx come from the system, while transformers 4.57 (optimum-onnx's pin) shadows the project's
+    5.x inside the venv only. A lock serializes concurrent builders.
+
+    Raises:
+        ExporterUnavailable: pip could not install the package (e.g. no registry reachable).
+    """
+    venv = CACHE / "optimum-venv"
+    python = venv / "bin" / "python"
+    ready = venv / ".llmc-ready"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "optimum-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if ready.is_file() and ready.read_text() == OPTIMUM_REQUIREMENT:
+            return python
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", OPTIMUM_REQUIREMENT],
+                                 capture_output=True, text=True)
+        if install.returncode:
+            last = (install.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ExporterUnavailable(f"pip install {OPTIMUM_REQUIREMENT} failed: {last}")
+        ready.write_text(OPTIMUM_REQUIREMENT)
+    return python
+
+
+def _export_optimum(folder: Path, workspace: Path) -> onnx.ModelProto:
+    """Optimum's export of `folder`, run in the Optimum venv, loaded with its weights."""
+    python = optimum_python()
+    with tempfile.TemporaryDirectory(prefix="optimum-", dir=workspace) as scratch:
+        out = Path(scratch) / "out"
+        run = subprocess.run([str(python), str(_OPTIMUM_SCRIPT), str(folder), str(out)],
+                             capture_output=True, text=True, timeout=900)
+        if run.returncode:
+            raise RuntimeError(f"Optimum export of {folder} failed:\n{run.stderr[-3000:]}")
+        return onnx.load(str(out / "model.onnx"))
 
 
 def _example_inputs(geometry: Geometry) -> tuple[torch.Tensor, ...]:

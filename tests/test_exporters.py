@@ -125,4 +125,4 @@ def test_sdpa_attention_exports_equal_transformers(exporter, tmp_path):
 
 def test_unknown_exporter_is_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown exporter"):
-        export_decoder(tmp_path, "optimum", tmp_path / "model.onnx")
+        export_decoder(tmp_path, "onnxscript", tmp_path / "model.onnx")
