@@ -167,7 +167,7 @@ class LowerPagedAttention(Pass):
         query, key, value = attention.input[:3]
         scale = attr(attention, "scale")
         # Attention-23's softcap caps scores before the mask, as the paged op's does.
-        softcap = 0.0
+        softcap = attr(attention, "softcap", 0.0)
         nodes = [helper.make_node("Reshape", [query, f"{prefix}/q_rows"], [f"{prefix}/q"]),
                  helper.make_node("Reshape", [key, f"{prefix}/kv_rows"], [f"new_key.{layer}"]),
                  helper.make_node("Reshape", [value, f"{prefix}/kv_rows"], [f"new_value.{layer}"]),

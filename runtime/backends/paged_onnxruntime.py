@@ -40,6 +40,7 @@ class Segment:
     attention: onnx.NodeProto | None
     scale: float | None = None  # the attention's
     window: int = 0  # the attention's sliding window (0: full attention)
+    softcap: float = 0.0  # the attention's score soft-capping (0: none)
 
 
 def split_at_paged_attention(model: onnx.ModelProto) -> list[Segment]:
@@ -95,9 +96,10 @@ def split_at_paged_attention(model: onnx.ModelProto) -> list[Segment]:
                                   [weights[n] for n in sorted(used & set(weights))]),
                 opset_imports=[o for o in model.opset_import if o.domain != DOMAIN], ir_version=model.ir_version)
         attention = attentions.get(k)
-        # Engines built before sliding windows have no window attribute: full attention.
-        window = attr(attention, "window", 0) if attention is not None else 0
-        segments.append(Segment(sub, inputs, outputs, attention, attention and attr(attention, "scale"), window))
+        # Engines built before sliding windows and soft-capping have neither attribute: 0, none.
+        window, softcap = (attr(attention, "window", 0), attr(attention, "softcap", 0.0)) if attention else (0, 0.0)
+        segments.append(Segment(sub, inputs, outputs, attention, attention and attr(attention, "scale"),
+                                window, softcap))
     return segments
 
 
@@ -198,7 +200,7 @@ class PagedDecoder:
                 # values as every later step will, so outputs do not depend on how prompts are chunked.
                 key, value = (np.ascontiguousarray(a, key_cache.dtype) for a in (key, value))
                 attended = self.attention(query, key, value, key_cache, value_cache, layout, segment.scale,
-                                          segment.window)
+                                          segment.window, segment.softcap)
                 values[node.output[0]] = attended.astype(query.dtype, copy=False)  # the kernel computes in fp32
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = self._slots(batch)

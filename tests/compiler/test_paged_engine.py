@@ -119,3 +119,36 @@ def test_sliding_window_model_compiles_paged_and_matches_transformers(mistral, t
                                       max_new_tokens=12, eos_token_id=257, pad_token_id=257)
         assert tokens == want[0, ids_.shape[1]:].tolist()
         assert tokens == completion.token_ids
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_alternating_windows_and_softcap_compile_paged_and_match_transformers(family, tmp_path):
+    """Gemma-2 (soft-capped attention; sliding layer 0, global layer 1) and Gemma-3 (the same
+    windows, no capping): every position's logits, from the dense prefill form (20 tokens) and
+    the kernel (10 tokens), and greedy tokens equal transformers'."""
+    import numpy as np
+    import torch
+    from hf_checkpoints import hf_model, write_hf_checkpoint
+
+    from llmc import LLM, SamplingParams
+    from llmc.compiler.build import compile_model
+    from llmc.compiler.export import export
+    from llmc.compiler.paged_engine import PagedOptions
+
+    folder = write_hf_checkpoint(tmp_path / "hf", family)
+    export(str(folder), tmp_path / "model.onnx")
+    manifest = compile_model(tmp_path / "model.onnx", tmp_path / "paged.plan", paged=PagedOptions(block_size=2))
+    assert manifest["paged"] is not None and manifest["layer_windows"] == [4, 0]
+    assert manifest["paged"]["window"] is None  # a global layer reads every block: none is freed
+    llm, reference = LLM(tmp_path / "paged.plan"), hf_model(folder)
+    for ids in (np.arange(30, 50), np.arange(60, 70)):
+        with torch.no_grad():
+            want = reference(torch.tensor(ids[None])).logits[0].numpy()
+        np.testing.assert_allclose(llm.logits(ids), want, atol=1e-4, rtol=0)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    [completion] = llm.generate(["def fibonacci(n):"], params)
+    prompt = torch.tensor([completion.prompt_token_ids])
+    with torch.no_grad():
+        want = reference.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                  max_new_tokens=10, min_new_tokens=10)
+    assert completion.token_ids == want[0, prompt.shape[1]:].tolist()
