@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from llmc.compiler.onnx_io import tensor_array
+from llmc.compiler.onnx_io import is_large, make_initializer, tensor_array
 from llmc.errors import LlmcError
 from llmc.passes import contrib_ops
 from llmc.passes.graph import DEFAULT_DOMAINS
@@ -79,6 +79,7 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
         raise LlmcError(f"--weights-block-size: {block_size} is not supported ({', '.join(map(str, BLOCK_SIZES))})")
     contrib_ops.register()
     initializers = {t.name: t for t in model.graph.initializer}
+    large = is_large(model)
     readers: dict[str, int] = {}
     for node in model.graph.node:
         for name in node.input:
@@ -93,7 +94,7 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
         k, n = array.shape
         codes, scales = quantize_blocks(array, bits, block_size)
         prefix = f"{node.name or node.output[0]}.int{bits}"
-        added += [numpy_helper.from_array(pack(codes, bits), f"{prefix}.B"),
+        added += [make_initializer(pack(codes, bits), f"{prefix}.B", external=large),  # past 2 GB: external
                   numpy_helper.from_array(scales.reshape(-1), f"{prefix}.scales")]
         if readers[weight.name] == 1:
             drop.add(weight.name)
