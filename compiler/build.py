@@ -75,7 +75,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     source_nodes = len(model.graph.node)
     pool = plan_pool(paged, interface) if paged is not None else None  # bad sizes fail early
     progress(f"optimizing {source_nodes} nodes")
-    model, report = optimize(model, level=level, passes=passes, verify=verify)
+    model, report = optimize(model, level=level, passes=passes, verify=verify,
+                             progress=progress if large else lambda message: None)  # passes take minutes past 2 GB
     precision_entry = None
     if not precision.is_default:
         precision_entry = apply_precision(model, precision, mixed, calibration, progress)
