@@ -47,7 +47,7 @@ class FuseRotary(RewritePass):
                 head_dim = graph.shape(x)[3]
                 new_nodes, initializers, caches = [], [], []
                 for table in (cos, sin):
-                    half = _half_table(graph, table, head_dim // 2)
+                    half = _half_table(graph, table, head_dim // 2, x)
                     if half is None:
                         return None
                     new_nodes += half[0]
@@ -83,8 +83,12 @@ def _match(graph: Graph, cos_mul: onnx.NodeProto, sin_mul: onnx.NodeProto):
     return None
 
 
-def _half_table(graph: Graph, table: str, half: int):
-    """Nodes computing the [batch, seq, half] cache from a [batch, 1, seq, 2·half] table."""
+def _half_table(graph: Graph, table: str, half: int, x: str):
+    """Nodes computing the [batch, seq, half] cache from a [batch, 1, seq, 2·half] table.
+
+    A table computed for batch 1 and broadcast over x's batch (positions from the past length,
+    as Optimum's Gemma export computes them) is expanded to x's batch: the op takes no broadcast.
+    """
     unsqueeze = graph.producer_of(table, "Unsqueeze")
     if unsqueeze is None:
         return None
@@ -98,7 +102,16 @@ def _half_table(graph: Graph, table: str, half: int):
     ends = graph.initializer("rope_end", np.array([half], np.int64))
     axes_init = graph.initializer("rope_axis", np.array([-1], np.int64))
     node = graph.node("Slice", [full, starts.name, ends.name, axes_init.name])
-    return [node], [starts, ends, axes_init], node.output[0]
+    nodes, initializers = [node], [starts, ends, axes_init]
+    table_batch, x_batch = (graph.shape(full) or [None])[0], (graph.shape(x) or [None])[0]
+    if table_batch == 1 and x_batch != 1:
+        batch = graph.node("Shape", [x], start=0, end=1)
+        ones = graph.initializer("rope_ones", np.array([1, 1], np.int64))
+        target = graph.node("Concat", [batch.output[0], ones.name], axis=0)
+        expand = graph.node("Expand", [node.output[0], target.output[0]])
+        nodes += [batch, target, expand]
+        initializers.append(ones)
+    return nodes, initializers, nodes[-1].output[0]
 
 
 def _halves_equal(graph: Graph, name: str, half: int) -> bool:
