@@ -90,8 +90,8 @@ def build_model(cfg: dict[str, Any], config_path: Path) -> DecoderLM:
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(
-            f"{config_path}: model_type {model_type!r} is not supported (nearest supported: {_nearest(str(model_type))}; "
-            f"supported: {', '.join(FAMILIES)})"
+            f"{config_path}: model_type {model_type!r} is not supported "
+            f"(nearest supported: {_nearest(str(model_type))}; supported: {', '.join(FAMILIES)})"
         )
     args_cls, model_cls = FAMILIES[model_type]
     try:

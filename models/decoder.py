@@ -265,7 +265,7 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: DecoderArgs, layer: int) -> None:
+    def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.num_heads = args.num_heads
         self.num_kv_heads = args.num_kv_heads
@@ -329,9 +329,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: DecoderArgs, layer: int) -> None:
+    def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
-        self.self_attn = Attention(args, layer)
+        self.self_attn = Attention(args)
         self.mlp = MLP(args)
         self.input_layernorm = make_norm(args, args.hidden_size)
         self.post_attention_layernorm = make_norm(args, args.hidden_size)
@@ -365,7 +365,7 @@ class Backbone(nn.Module):
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = make_norm(args, args.hidden_size)
         self.rotary_emb = RotaryEmbedding(args)
         if args.local_rope_theta is not None:
