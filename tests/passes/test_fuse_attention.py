@@ -104,3 +104,37 @@ def test_softmax_over_another_axis_is_refused():
     model = export_module(WrongAxis(4, "where", "mul"), inputs(4), dynamo=False)
     refresh_shapes(model)
     assert run_pass(FuseAttention(), model).matches == 0
+
+
+class SoftCapped(DecomposedAttention):
+    """Gemma-2's attention: scores soft-capped, cap · tanh(scores / cap), before the mask."""
+
+    def __init__(self, cap: float, outer: float | None = None):
+        super().__init__(2, "where", "mul")
+        self.cap, self.outer = cap, cap if outer is None else outer
+
+    def forward(self, q, k_new, v_new, past_k, past_v, keep):
+        k = torch.cat([past_k, k_new], dim=2)
+        v = torch.cat([past_v, v_new], dim=2)
+        k_rep, v_rep = (x.repeat_interleave(2, dim=1) for x in (k, v))
+        scores = torch.tanh(q @ k_rep.transpose(2, 3) * (D ** -0.5) / self.cap) * self.outer
+        probs = torch.softmax(torch.where(keep, scores, torch.finfo(torch.float32).min), dim=-1)
+        return probs @ v_rep, k, v
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_soft_capping_becomes_the_softcap_attribute(dynamo):
+    model = export_module(SoftCapped(0.5), inputs(2), dynamo=dynamo)
+    refresh_shapes(model)
+    result = run_pass(FuseAttention(), model, tolerance=1e-5)
+    assert result.matches == 1 and op_counts(result.model)["Tanh"] == 0
+    (attention,) = [n for n in result.model.graph.node if n.op_type == "Attention"]
+    attributes = {a.name: a.f for a in attention.attribute}
+    assert attributes["softcap"] == pytest.approx(0.5) and attributes["scale"] == pytest.approx(D ** -0.5)
+
+
+def test_tanh_with_two_different_constants_is_not_a_softcap():
+    model = export_module(SoftCapped(0.5, outer=3.0), inputs(2), dynamo=False)
+    refresh_shapes(model)
+    result = run_pass(FuseAttention(), model)
+    assert result.matches == 0 and op_counts(result.model)["Tanh"] == 1
