@@ -92,14 +92,16 @@ def check_accuracy(torch, args, device) -> list[str]:
     rng = np.random.default_rng(args.seed)
     failures, rows = [], []
     for block_size, head_dim, gqa, dtype in grid(args.quick, args.cpu_interpret):
-        for name, seqs in (("mixed", MIXED), ("decode", DECODE)):
+        # "window": the mixed batch under a sliding window of 7 with soft-capping (Gemma-2).
+        for name, seqs, extra in (("mixed", MIXED, {}), ("decode", DECODE, {}),
+                                  ("window", MIXED, {"window": 7, "softcap": 30.0})):
             if args.cpu_interpret:  # keep the interpreter quick: shorter pasts
                 seqs = tuple((min(new, 9), min(past, 40)) for new, past in seqs)
             inputs, host = make_batch(torch, rng, seqs, block_size, head_dim, gqa, dtype, device)
             start = time.perf_counter()
-            got = paged_attention_triton(**inputs).float().cpu().numpy()
+            got = paged_attention_triton(**inputs, **extra).float().cpu().numpy()
             seconds = time.perf_counter() - start
-            want = paged_attention_reference(**host).astype(np.float64)
+            want = paged_attention_reference(**host, **extra).astype(np.float64)
             err = float(np.abs(got - want).max())
             ok = err <= TOLERANCE[dtype] and np.isfinite(got).all()
             rows.append((block_size, head_dim, gqa, dtype, name, err, ok, seconds))
