@@ -1,11 +1,15 @@
 """fuse-attention: decomposed attention from either exporter → one Attention-23 node."""
 
+import io
 import math
+import warnings
 
+import onnx
 import pytest
 import torch
 from pass_testing import export_module, op_counts, run_pass
 
+from llmc.compiler.compare import compare_outputs, run_onnx
 from llmc.compiler.pipeline import refresh_shapes
 from llmc.passes.fuse_attention import FuseAttention
 
@@ -138,3 +142,40 @@ def test_tanh_with_two_different_constants_is_not_a_softcap():
     refresh_shapes(model)
     result = run_pass(FuseAttention(), model)
     assert result.matches == 0 and op_counts(result.model)["Tanh"] == 1
+
+
+class MaskSlicedByKeyLength(DecomposedAttention):
+    """transformers 4.x sdpa (Optimum's exports): the mask is cut to Shape(repeated K)[-2] columns,
+    so a value outside the match is computed from an intermediate the fusion removes."""
+
+    def forward(self, q, k_new, v_new, past_k, past_v, keep):
+        k = torch.cat([past_k, k_new], dim=2)
+        v = torch.cat([past_v, v_new], dim=2)
+        k_rep, v_rep = (x[:, :, None].expand(B, 2, 2, x.shape[2], D).reshape(B, H, x.shape[2], D)
+                        for x in (k, v))
+        additive = torch.where(keep, 0.0, float("-inf"))[:, :, :, : k_rep.shape[-2]]
+        probs = torch.softmax(q @ k_rep.transpose(2, 3) * (D ** -0.5) + additive, dim=-1)
+        return probs @ v_rep, k, v
+
+
+def test_mask_sliced_by_the_repeated_key_length_still_fuses():
+    wide = inputs(2)[:-1] + (torch.ones(B, 1, S, P + S + 3, dtype=torch.bool).tril(P),)
+    names = ["q", "k", "v", "past_k", "past_v", "keep"]
+    axes = {"past_k": {2: "past"}, "past_v": {2: "past"}, "keep": {3: "mask_length"}}
+    buffer = io.BytesIO()  # the past length dynamic, so Shape(repeated K) stays in the graph
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(MaskSlicedByKeyLength(2, "add", "mul").eval(), wide, buffer, dynamo=False,
+                          input_names=names, dynamic_axes=axes, opset_version=17)
+    model = onnx.load_from_string(buffer.getvalue())
+    refresh_shapes(model)
+    assert any(n.op_type == "Shape" and n.input[0] in {m.output[0] for m in model.graph.node
+                                                       if m.op_type == "Reshape"} for n in model.graph.node)
+    feeds = {name: value.numpy() for name, value in zip(names, wide)}
+    want = run_onnx(model, feeds)
+    result = FuseAttention().run(model)
+    assert result.matches == 1 and result.skipped == {}
+    counts = op_counts(result.model)
+    assert counts["Attention"] == 1 and counts["Softmax"] == 0 and counts["Expand"] == 0
+    onnx.checker.check_model(result.model, full_check=True)
+    assert compare_outputs(want, run_onnx(result.model, feeds)).max_abs <= 1e-5
