@@ -14,7 +14,9 @@ paged_onnxruntime.py). A step's sequences go one of two ways:
   next to its score matrix, and its matrix products beat the kernel's dot products there.
 
 The pool is float32 or float16 (--kv-cache-dtype); the kernel widens float16 elements as it reads
-them, the dense form casts the blocks it gathers.
+them, the dense form casts the blocks it gathers. Under a sliding window both read only the blocks
+from the step's first new token's window on (a decode at any context reads about window / block
+blocks), and soft-capping (Gemma-2) caps each row's visible scores.
 
 Measured on the serving benchmark's model (8 heads, 4 kv heads, head dim 64, block 16, 2 cores;
 bench/RESULTS.md): 16 decodes at 400 past tokens, kernel 0.55 ms vs dense form 2.8 ms (before the
@@ -271,7 +273,8 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
                     acc += q[r, d] * key[start + i, kv_head, d]
                 scores[r, past + i - base] = acc
         # Softmax over each row's visible keys (its sequence's past and its new tokens up to
-        # itself), left unnormalized: the output rows are divided by the sums at the end.
+        # itself, within its window), left unnormalized: the output rows are divided by the sums
+        # at the end.
         totals = np.empty(rows, np.float32)
         bits = np.empty(keys, np.int32)
         powers = bits.view(np.float32)
