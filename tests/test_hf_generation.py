@@ -9,6 +9,7 @@ soft-capping are also compiled contiguous (`--no-paged`) and must match as well.
 import json
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -53,6 +54,14 @@ def compiled(request, tmp_path_factory):
     folder = write_hf_checkpoint(tmp_path_factory.mktemp(family), family)
     out = tmp_path_factory.mktemp(f"{family}-out")
     engine = _export_and_compile(folder, out)
+    # The windows the compiler must honour travel in the export's metadata: one for every layer, or one per layer.
+    metadata = {p.key: p.value for p in onnx.load(out / "model.onnx", load_external_data=False).metadata_props}
+    windows = {"mistral": ("llmc.sliding_window", "4"), "gemma2": ("llmc.layer_windows", "[4, 0]"),
+               "gemma3": ("llmc.layer_windows", "[4, 0]")}
+    if family in windows:
+        assert metadata[windows[family][0]] == windows[family][1]
+    else:
+        assert "llmc.sliding_window" not in metadata and "llmc.layer_windows" not in metadata
     manifest = read_manifest(engine)
     # Paged when the compiler can express the model; otherwise contiguous and it says why.
     assert manifest["paged"] is not None or manifest["not_paged"]
