@@ -86,8 +86,8 @@ def _match(graph: Graph, cos_mul: onnx.NodeProto, sin_mul: onnx.NodeProto):
 def _half_table(graph: Graph, table: str, half: int, x: str):
     """Nodes computing the [batch, seq, half] cache from a [batch, 1, seq, 2·half] table.
 
-    A table computed for batch 1 and broadcast over x's batch (positions from the past length,
-    as Optimum's Gemma export computes them) is expanded to x's batch: the op takes no broadcast.
+    A table whose batch is not known to be x's (one computed for batch 1 and broadcast, as
+    Optimum's Gemma exports do) is expanded to x's batch: the op takes no broadcast.
     """
     unsqueeze = graph.producer_of(table, "Unsqueeze")
     if unsqueeze is None:
@@ -104,7 +104,7 @@ def _half_table(graph: Graph, table: str, half: int, x: str):
     node = graph.node("Slice", [full, starts.name, ends.name, axes_init.name])
     nodes, initializers = [node], [starts, ends, axes_init]
     table_batch, x_batch = (graph.shape(full) or [None])[0], (graph.shape(x) or [None])[0]
-    if table_batch == 1 and x_batch != 1:
+    if table_batch != x_batch or table_batch in (None, "?"):
         batch = graph.node("Shape", [x], start=0, end=1)
         ones = graph.initializer("rope_ones", np.array([1, 1], np.int64))
         target = graph.node("Concat", [batch.output[0], ones.name], axis=0)

@@ -84,3 +84,19 @@ def test_rotation_without_negation_is_refused():
     model = export_module(NoNeg(), inputs(), dynamo=False)
     refresh_shapes(model)
     assert run_pass(FuseRotary(), model).matches == 0
+
+
+class SharedPositionsRotary(ComputedRotary):
+    """Optimum's Gemma exports: one row of positions for the whole batch (cos/sin [1, S, D]),
+    broadcast over it; RotaryEmbedding takes no broadcast, so the fused op needs it expanded."""
+
+    def forward(self, q, k, position_ids):
+        return super().forward(q, k, position_ids[:1])
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_table_for_batch_one_is_expanded_to_the_batch(dynamo):
+    model = export_module(SharedPositionsRotary(), inputs(), dynamo=dynamo)
+    refresh_shapes(model)
+    result = run_pass(FuseRotary(), model, tolerance=1e-5)  # onnxruntime rejects unexpanded tables
+    assert result.matches == 2 and op_counts(result.model)["Expand"] >= 1
