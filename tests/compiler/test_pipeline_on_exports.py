@@ -1,11 +1,24 @@
-"""Level 2 on real exports: every family × exporter fuses one attention, its norms and its
-projections per layer, and computes what the unoptimized graph computes."""
+"""The compiler on what real exporters write.
+
+Level 2: every family × exporter fuses one attention, its norms and its projections per layer,
+and computes what the unoptimized graph computes (under --verify, which checks every pass).
+
+Compile and generate: every family × third-party exporter (Optimum, torch.onnx dynamo,
+TorchScript) compiles with the default options (paged KV) and greedy generation through
+`llmc.LLM` gives transformers' greedy tokens on the same checkpoint. The reference is the
+transformers model itself, each next token the argmax of a full forward pass over the sequence so
+far (no cache, no EOS stop: the engine runs with ignore_eos). Exports are made once per module and
+shared by both tests; the Optimum ones need its venv (tests/README.md) and skip without it.
+"""
 
 import onnx
 import pytest
-from exporters import export_decoder
-from hf_checkpoints import write_hf_checkpoint
+import torch
+from exporters import ExporterUnavailable, export_decoder
+from hf_checkpoints import hf_model, write_hf_checkpoint
 
+from llmc import LLM, SamplingParams
+from llmc.compiler.build import compile_model
 from llmc.compiler.compare import compare_models
 from llmc.compiler.onnx_summary import op_name
 from llmc.compiler.pipeline import optimize
@@ -14,6 +27,16 @@ LAYERS = 2  # tests/hf_checkpoints.py configs
 CASES = [(family, exporter, "eager") for family in ("llama", "qwen2", "mistral", "gpt2")
          for exporter in ("llmc", "dynamo", "torchscript")]
 CASES += [("llama", "dynamo", "sdpa"), ("llama", "torchscript", "sdpa"), ("gpt2", "dynamo", "sdpa")]
+CASES += [(family, "optimum", "sdpa") for family in ("llama", "qwen2", "mistral", "gpt2")]
+
+GENERATION_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "qwen3", "gemma2")
+THIRD_PARTY = ("optimum", "dynamo", "torchscript")
+PROMPTS = ("def fibonacci(", "Hi")  # two lengths: a batch with padding or two packed sequences
+NEW_TOKENS = 12
+# Cells the compiler cannot page, each with the reason its manifest must give. Optimum 0.1.0
+# exports Gemma-family models (transformers 4.57) computing positions from the past length; the
+# position_ids input is left unread, and a packed paged step cannot give them positions.
+NOT_PAGED = {("gemma", "optimum"): "position_ids", ("gemma2", "optimum"): "position_ids"}
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +51,47 @@ def checkpoints(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def exports(checkpoints, tmp_path_factory):
+    """exports(family, exporter, attention) → the ONNX file, exported once per module."""
+    cache = {}
+
+    def get(family, exporter, attention="eager"):
+        key = (family, exporter, attention)
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"{family}-{exporter}-{attention}")
+            try:
+                cache[key] = export_decoder(checkpoints(family), exporter, folder / "model.onnx",
+                                            attention=attention)
+            except ExporterUnavailable as exc:
+                cache[key] = exc
+        if isinstance(cache[key], ExporterUnavailable):
+            pytest.skip(str(cache[key]))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(checkpoints):
+    """reference_tokens(family, prompt ids) → transformers' greedy continuation."""
+    models = {}
+
+    def get(family, prompt_ids):
+        if family not in models:
+            models[family] = hf_model(checkpoints(family))
+        ids = list(prompt_ids)
+        with torch.no_grad():
+            for _ in range(NEW_TOKENS):
+                ids.append(int(models[family](torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt_ids):]
+
+    return get
+
+
 @pytest.mark.parametrize("family,exporter,attention", CASES)
-def test_level2_fusion_counts_and_parity(checkpoints, tmp_path, family, exporter, attention):
-    path = export_decoder(checkpoints(family), exporter, tmp_path / "model.onnx", attention=attention)
+def test_level2_fusion_counts_and_parity(exports, family, exporter, attention):
+    path = exports(family, exporter, attention)
     raw = onnx.load(path)
     optimized, report = optimize(onnx.load(path), level=2, verify=True, tolerance=1e-4)
     matches = {entry["pass"]: entry["matches"] for entry in report}
@@ -47,3 +108,21 @@ def test_level2_fusion_counts_and_parity(checkpoints, tmp_path, family, exporter
         assert matches["merge-sibling-matmuls"] == 2 * LAYERS  # QKV and gate/up in every layer
     assert len(optimized.graph.node) < len(raw.graph.node)
     assert compare_models(raw, optimized).max_abs <= 1e-4
+
+
+@pytest.mark.parametrize("exporter", THIRD_PARTY)
+@pytest.mark.parametrize("family", GENERATION_FAMILIES)
+def test_compiled_engine_generates_transformers_greedy_tokens(exports, reference_tokens, tmp_path,
+                                                              family, exporter):
+    engine = tmp_path / "engine.plan"
+    manifest = compile_model(exports(family, exporter), engine)
+    completions = LLM(engine).generate(list(PROMPTS), SamplingParams(max_new_tokens=NEW_TOKENS,
+                                                                     ignore_eos=True))
+    for completion in completions:
+        assert completion.token_ids == reference_tokens(family, completion.prompt_token_ids), completion.prompt
+    if manifest["paged"] is None:
+        reason = NOT_PAGED.get((family, exporter))
+        assert reason is not None, f"not paged: {manifest['not_paged']}"
+        assert reason in manifest["not_paged"]
+        pytest.xfail(f"contiguous engine matches; not paged: {manifest['not_paged']}")
+    assert (family, exporter) not in NOT_PAGED, "now paged: drop it from NOT_PAGED"
