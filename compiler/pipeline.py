@@ -29,6 +29,10 @@ CLEANUP = [
     # arithmetic after it fold.
     "fold-static-dims",
     "fold-constants",
+    # Again: a Slice whose bounds only just folded now has a known shape, whose dims fold in
+    # turn (TorchScript/Optimum exports of partial rotary: Phi-3, GPT-NeoX).
+    "fold-static-dims",
+    "fold-constants",
     # After folding: folded constants become identical initializers that CSE can merge.
     "eliminate-common-subexpressions",
     "eliminate-dead-code",
