@@ -100,12 +100,20 @@ def measured(name: str, command: list[str], log_file: Path) -> dict:
         proc = subprocess.run(["/usr/bin/time", "-v", *command], stdout=out, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - start
     text = log_file.read_text(errors="replace")
-    match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
-    peak_gb = int(match.group(1)) * 1024 / 1e9 if match else None
-    result = {"step": name, "seconds": round(seconds, 1), "peak_rss_gb": peak_gb and round(peak_gb, 2),
+    result = {"step": name, "seconds": round(seconds, 1), **parse_time_log(text),
               "exit_code": proc.returncode, "log": str(log_file)}
-    log(f"{name}: {result['seconds']} s, peak RSS {result['peak_rss_gb']} GB, exit {proc.returncode}")
+    log(f"{name}: {result['seconds']} s ({result['cpu_seconds']} s CPU), peak RSS {result['peak_rss_gb']} GB, "
+        f"exit {proc.returncode}")
     return result
+
+
+def parse_time_log(text: str) -> dict:
+    """Peak RSS (GB) and CPU seconds (user + system) from /usr/bin/time -v's report. CPU time is
+    the steadier figure on a shared machine: wall time grows with other processes' load."""
+    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    cpu = [float(m) for m in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", text)]
+    return {"peak_rss_gb": round(int(rss.group(1)) * 1024 / 1e9, 2) if rss else None,
+            "cpu_seconds": round(sum(cpu), 1) if cpu else None}
 
 
 def _size_gb(*paths: Path) -> float:
@@ -163,11 +171,11 @@ def main() -> None:
         print(json.dumps(report, indent=2))
         return
     print(f"1B checkpoint: {weights_gb} GB fp32 weights")
-    print("| step | wall s | peak RSS GB | × weights | exit |")
-    print("|---|---|---|---|---|")
+    print("| step | wall s | CPU s | peak RSS GB | × weights | exit |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         ratio = r["peak_rss_gb"] / weights_gb if r["peak_rss_gb"] else float("nan")
-        print(f"| {r['step']} | {r['seconds']} | {r['peak_rss_gb']} | {ratio:.2f} | {r['exit_code']} |")
+        print(f"| {r['step']} | {r['seconds']} | {r['cpu_seconds']} | {r['peak_rss_gb']} | {ratio:.2f} | {r['exit_code']} |")
 
 
 if __name__ == "__main__":
