@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
 from llmc.compiler.onnx_io import is_large, make_initializer, tensor_array
 
@@ -75,7 +74,7 @@ class Graph:
         if node is not None and node.op_type == "Constant" and node.domain in DEFAULT_DOMAINS:
             attr = node.attribute[0]
             if attr.name == "value":
-                return numpy_helper.to_array(attr.t)
+                return tensor_array(attr.t)
             if attr.name in ("value_float", "value_int"):
                 return np.array(onnx.helper.get_attribute_value(attr))
             if attr.name in ("value_floats", "value_ints"):
