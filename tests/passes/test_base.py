@@ -64,3 +64,40 @@ def test_sound_matches_commit_in_one_batch():
     assert [n.op_type for n in model.graph.node].count("Neg") == 0
     onnx.checker.check_model(model, full_check=True)
     assert compare_models(reference, model).max_abs == 0.0
+
+
+class ShiftByOwnShape(RewritePass):
+    """Relu(Neg(a) + b) → Relu(Cast(Shape(r)) − a): the new Sub reads a value computed from the
+    match's own output r, as fuse-attention would have done by slicing the mask it feeds to
+    Shape(present) — a cycle."""
+
+    name = "shift-by-own-shape"
+    anchors = ("Relu",)
+
+    def rewrite(self, graph: Graph, relu: onnx.NodeProto) -> Rewrite | None:
+        add = graph.producer_of(relu.input[0], "Add")
+        neg = add and graph.producer_of(add.input[0], "Neg")
+        cast = graph.consumers.get(relu.output[0]) and next(
+            (c for user in graph.consumers[relu.output[0]] if user.op_type == "Shape"
+             for c in graph.consumers[user.output[0]] if c.op_type == "Cast"), None)
+        if neg is None or cast is None:
+            return None
+        sub = graph.node("Sub", [cast.output[0], neg.input[0]])
+        return Rewrite([relu, add, neg], [sub, graph.node("Relu", sub.output, [relu.output[0]])])
+
+
+def test_match_that_would_close_a_cycle_is_skipped():
+    value = helper.make_tensor_value_info
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Add", ["n", "c"], ["t"]),
+             helper.make_node("Relu", ["t"], ["r"]), helper.make_node("Shape", ["r"], ["s"]),
+             helper.make_node("Cast", ["s"], ["rs"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["r", "rs"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [value(name, TensorProto.FLOAT, [3]) for name in "xc"],
+                              [value("y", TensorProto.FLOAT, [3])])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    reference = onnx.ModelProto()
+    reference.CopyFrom(model)
+    result = ShiftByOwnShape().run(model)
+    assert result.matches == 0 and result.skipped == {"the rewritten graph would have a cycle": 1}
+    onnx.checker.check_model(model, full_check=True)
+    assert compare_models(reference, model).max_abs == 0.0
