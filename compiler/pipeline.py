@@ -46,6 +46,8 @@ PORTABLE_FUSIONS = [
     # Before attention: the rotary Add feeds Q·Kᵀ, and the attention pattern expects Q and K
     # as they reach the MatMul.
     "fuse-rotary",
+    # onnxruntime-genai's GroupQueryAttention → the same Attention-23 form fuse-attention makes.
+    "canonicalize-gqa",
     "fuse-attention",
     # Needs the fused Attention and RotaryEmbedding nodes to re-layout.
     "attention-3d-layout",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from llmc.passes.attention_3d_layout import Attention3dLayout
 from llmc.passes.base import Pass
+from llmc.passes.canonicalize_group_query_attention import CanonicalizeGroupQueryAttention
 from llmc.passes.eliminate_common_subexpressions import EliminateCommonSubexpressions
 from llmc.passes.eliminate_dead_code import EliminateDeadCode
 from llmc.passes.fold_constants import FoldConstants
@@ -26,6 +27,7 @@ _ALL: list[type[Pass]] = [
     FuseRmsNorm,
     FuseGelu,
     FuseRotary,
+    CanonicalizeGroupQueryAttention,
     FuseAttention,
     Attention3dLayout,
     MergeSiblingMatMuls,
