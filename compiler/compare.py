@@ -47,6 +47,9 @@ def seeded_feeds(model: onnx.ModelProto, seed: int = 0, *, batch: int = _BATCH, 
     """
     rng = np.random.default_rng(seed)
     vocab = _logits_vocab(model)
+    head_size = _gqa_head_size(model)
+    if head_size is not None:
+        batch = 1  # onnxruntime's GroupQueryAttention takes a prompt over a past for one sequence only
     if not any(_is_past(value) for value in model.graph.input):
         past = 0
     total = past + seq
@@ -71,8 +74,26 @@ def seeded_feeds(model: onnx.ModelProto, seed: int = 0, *, batch: int = _BATCH, 
             dims = [d.dim_value if d.HasField("dim_value") else 2 for d in tensor.shape.dim]
             if _is_past(value):
                 dims[0], dims[2] = batch, past
+                if head_size and not tensor.shape.dim[3].HasField("dim_value"):
+                    dims[3] = head_size  # genai's builder leaves it symbolic
             feeds[name] = _random(rng, dims, dtype)
     return feeds
+
+
+def _gqa_head_size(model: onnx.ModelProto) -> int | None:
+    """The head size of the graph's first GroupQueryAttention, from its K (or packed QKV) width
+    when inferred, else 0; None when the graph has no GroupQueryAttention."""
+    node = next((n for n in model.graph.node if n.op_type == "GroupQueryAttention"), None)
+    if node is None:
+        return None
+    attrs = {a.name: a.i for a in node.attribute}
+    packed = len(node.input) < 2 or not node.input[1]
+    values = {v.name: v for v in (*model.graph.value_info, *model.graph.input)}
+    projection = values.get(node.input[0] if packed else node.input[1])
+    dims = projection.type.tensor_type.shape.dim if projection is not None else []
+    if not dims or not dims[-1].HasField("dim_value"):
+        return 0
+    return dims[-1].dim_value // (attrs["num_heads"] + 2 * attrs["kv_num_heads"] if packed else attrs["kv_num_heads"])
 
 
 def _is_past(value: onnx.ValueInfoProto) -> bool:

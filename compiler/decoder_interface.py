@@ -88,14 +88,18 @@ def recognize_decoder(model: onnx.ModelProto, source: Path) -> DecoderInterface:
         raise LlmcError(f"{fault}: {num_layers} past inputs but a different number of present outputs")
 
     past = inputs["past_key_values.0.key"]
-    kv_heads, head_dim = (_static_dim(past, axis, fault) for axis in (1, 3))
+    facts = _geometry_facts(model, source)
+    kv_heads = _static_dim(past, 1, fault)
+    # onnxruntime-genai's builder leaves the head size symbolic; its genai_config.json says it.
+    dims = past.type.tensor_type.shape.dim
+    head_dim = facts["head_dim"] if "head_dim" in facts and len(dims) == 4 and not dims[3].HasField("dim_value") \
+        else _static_dim(past, 3, fault)
     vocab = _static_dim(outputs["logits"], 2, fault)
     elem_type = past.type.tensor_type.elem_type
     if elem_type not in _DTYPES:
         raise LlmcError(f"{fault}: unsupported cache element type "
                         f"{onnx.TensorProto.DataType.Name(elem_type)}")
 
-    facts = _geometry_facts(model, source)
     missing = [k for k in ("num_heads", "max_positions") if k not in facts]
     if missing:
         raise LlmcError(f"{source}: cannot tell the model's {' and '.join(missing)}: export it with "
@@ -172,6 +176,21 @@ def _geometry_facts(model: onnx.ModelProto, source: Path) -> dict:
         windows = _config_windows(hf)
         if windows is not None:
             facts["layer_windows"] = windows
+    genai = source.parent / "genai_config.json"  # onnxruntime-genai's builder writes no config.json
+    if not config.is_file() and genai.is_file():
+        try:
+            decoder = json.loads(genai.read_text())["model"]
+            decoder, context = decoder["decoder"], decoder.get("context_length")
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise LlmcError(f"{genai}: not a genai config ({exc})") from None
+        for key, value in (("num_heads", decoder.get("num_attention_heads")), ("max_positions", context),
+                           ("head_dim", decoder.get("head_size"))):
+            if isinstance(value, int) and value > 0:
+                facts[key] = value
+        window, layers = decoder.get("sliding_window") or {}, decoder.get("num_hidden_layers")
+        if isinstance(window, dict) and isinstance(window.get("window_size"), int) and isinstance(layers, int):
+            local = window.get("layers") or range(layers)  # no list: every layer
+            facts["layer_windows"] = [window["window_size"] if i in local else 0 for i in range(layers)]
     # The graph's own metadata wins over a config file that may belong to another export.
     for prop in model.metadata_props:
         if prop.key in ("llmc.num_heads", "llmc.max_positions", "llmc.sliding_window"):

@@ -94,7 +94,8 @@ def reusable_window(windows: tuple[int, ...]) -> int | None:
 
 def lower(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOptions) -> str | None:
     """Lower the optimized graph to the paged interface; returns why not, when it can't be."""
-    if not interface.has_position_ids:
+    computed = any("position_ids" in n.output for n in model.graph.node)  # canonicalize-gqa's, from the mask
+    if not interface.has_position_ids and not computed:
         return "the graph has no position_ids input"
     LowerPagedAttention(options.block_size, options.kv_dtype, interface.windows).run(model)
     return None

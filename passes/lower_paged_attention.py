@@ -66,7 +66,7 @@ class LowerPagedAttention(Pass):
         graph = Graph(model)
         inputs = {i.name: i for i in model.graph.input}
         layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
-        if "position_ids" not in inputs:
+        if "position_ids" not in inputs and "position_ids" not in graph.producer:  # canonicalize-gqa computes it
             raise LlmcError("paged lowering: the graph has no position_ids input")
         windows = self.windows or (0,) * layers
         if len(windows) != layers:
@@ -100,8 +100,8 @@ class LowerPagedAttention(Pass):
             attended.append(attended_)
             new_outputs += [(f"new_key.{layer}", kv_heads), (f"new_value.{layer}", kv_heads)]
 
-        kept = [n for n in model.graph.node if n.op_type != "Attention" or id(n) not in
-                {id(a) for a in attentions.values()}]
+        kept = [n for n in model.graph.node if (n.op_type != "Attention" or id(n) not in
+                {id(a) for a in attentions.values()}) and "position_ids" not in n.output]  # now fed
         nodes.append(self._select_logit_rows(graph))
         vocab = next(o for o in model.graph.output if o.name == "logits").type.tensor_type.shape.dim[2].dim_value
 
