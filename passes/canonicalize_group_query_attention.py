@@ -19,8 +19,8 @@ Positions are computed in the graph from `attention_mask` as GQA derives them, i
 `position_ids`; the paged lowering, which feeds each packed token's position itself, replaces it.
 The graph's cache inputs/outputs get a static head size where the file left it symbolic.
 
-A ``local_window_size`` w becomes part of the mask (the query's slot and the w before it, as
-onnxruntime's kernel reads it). Left alone: a GQA whose past/present are not the graph's cache
+A ``local_window_size`` w becomes part of the mask (w slots: the query's own and the w − 1
+before it, as onnxruntime's kernel reads it, and as Hugging Face's sliding window). Left alone: a GQA whose past/present are not the graph's cache
 inputs/outputs, with ``smooth_softmax``, or with any of the optional position_ids /
 attention_bias / head_sink inputs. ``sliding_window_cache`` (a ring-buffer cache of `window`
 slots, Gemma-2 from genai) is another interface altogether: an error naming the node.
@@ -172,8 +172,8 @@ def _causal_padding_mask(graph: Graph, query: str, past_key: str, np_dtype, wind
     slot_column = graph.node("Unsqueeze", [slots.output[0], const("gqa_axis_last", np.array([1], np.int64))])
     causal = graph.node("LessOrEqual", [keys.output[0], slot_column.output[0]])  # [S, T]
     nodes += [query_shape, past_shape, new, past, total, keys, slots, slot_column, causal]
-    if window > 0:  # GQA's local window: the query's slot and the `window` slots before it
-        first = graph.node("Sub", [slot_column.output[0], const("gqa_window", np.int64(window))])
+    if window > 0:  # GQA's local window: `window` slots, the query's own and those before it
+        first = graph.node("Sub", [slot_column.output[0], const("gqa_window", np.int64(window - 1))])
         recent = graph.node("GreaterOrEqual", [keys.output[0], first.output[0]])
         causal = graph.node("And", [causal.output[0], recent.output[0]])
         nodes += [first, recent, causal]

@@ -1,0 +1,65 @@
+"""Test fixture factory: onnxruntime-genai model builder outputs of the seeded checkpoints.
+
+`genai_model(family)` writes `hf_checkpoints.write_hf_checkpoint(folder, family)` and runs
+
+    python -m onnxruntime_genai.models.builder -i CHECKPOINT -o OUT -p fp32 -e cpu -c CACHE
+
+on it (a local folder: no hub access), into a folder cached under ``$LLMC_TEST_CACHE``
+(default ``~/.cache/llmc-tests``) by family and builder version, so only the first run pays the
+~15 s build. The output holds model.onnx (+ .data), genai_config.json (no config.json) and the
+tokenizer as the builder re-saved it.
+
+Import as `from genai_builder import genai_model` (tests/ is on sys.path via tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hf_checkpoints import write_hf_checkpoint
+
+
+class BuilderRefused(Exception):
+    """The builder cannot convert this family; the message is its last output lines."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLMC_TEST_CACHE", Path.home() / ".cache" / "llmc-tests"))
+
+
+def genai_model(family: str) -> tuple[Path, Path]:
+    """(checkpoint folder, builder output folder) for `family`, both cached.
+
+    Raises:
+        BuilderRefused: the builder failed on this family (tests skip with its reason).
+    """
+    import onnxruntime_genai
+
+    root = cache_dir() / f"genai-{onnxruntime_genai.__version__}" / family
+    checkpoint, output = root / "checkpoint", root / "genai"
+    refused = root / "refused.txt"
+    if refused.is_file():
+        raise BuilderRefused(refused.read_text())
+    if (output / "model.onnx").is_file() and (checkpoint / "config.json").is_file():
+        return checkpoint, output
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=root) as scratch:
+        scratch = Path(scratch)
+        write_hf_checkpoint(scratch / "checkpoint", family)
+        done = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder",
+                               "-i", str(scratch / "checkpoint"), "-o", str(scratch / "genai"),
+                               "-p", "fp32", "-e", "cpu", "-c", str(scratch / "cache")],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            tail = [line for line in (done.stdout + done.stderr).strip().splitlines() if line.strip()][-2:]
+            refused.write_text(f"onnxruntime-genai builder exit {done.returncode}: " + " | ".join(tail))
+            raise BuilderRefused(refused.read_text())
+        for name in ("checkpoint", "genai"):  # moved in whole, so a half-built folder never counts
+            shutil.rmtree(root / name, ignore_errors=True)
+            (scratch / name).rename(root / name)
+    return checkpoint, output
