@@ -56,8 +56,11 @@ def genai_model(family: str) -> tuple[Path, Path]:
                                "-p", "fp32", "-e", "cpu", "-c", str(scratch / "cache")],
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            tail = [line for line in (done.stdout + done.stderr).strip().splitlines() if line.strip()][-2:]
-            refused.write_text(f"onnxruntime-genai builder exit {done.returncode}: " + " | ".join(tail))
+            # The last line of the traceback says why (not its ~~~^^^ underlining).
+            lines = [line.strip() for line in (done.stdout + done.stderr).splitlines()
+                     if line.strip() and set(line.strip()) - set("~^")]
+            refused.write_text(f"onnxruntime-genai's builder refuses {family} (exit {done.returncode}): "
+                               + (lines[-1] if lines else "no output"))
             raise BuilderRefused(refused.read_text())
         for name in ("checkpoint", "genai"):  # moved in whole, so a half-built folder never counts
             shutil.rmtree(root / name, ignore_errors=True)
