@@ -40,6 +40,9 @@ CLEANUP = [
 
 # Standard ONNX ops only (opset 23): what onnxruntime and TensorRT's parser both run.
 PORTABLE_FUSIONS = [
+    # Not a fusion: positions an export computes from its past length (Optimum's Gemma) get the
+    # name the paged lowering replaces with its own positions input. After folding (constants).
+    "name-cache-positions",
     "fuse-layer-norm",
     "fuse-rms-norm",
     "fuse-gelu",

@@ -17,6 +17,7 @@ from llmc.passes.fuse_rotary import FuseRotary
 from llmc.passes.fuse_silu import FuseSilu
 from llmc.passes.fuse_skip_norm import FuseSkipNorm
 from llmc.passes.merge_sibling_matmuls import MergeSiblingMatMuls
+from llmc.passes.name_cache_positions import NameCachePositions
 
 _ALL: list[type[Pass]] = [
     FoldConstants,
@@ -31,6 +32,7 @@ _ALL: list[type[Pass]] = [
     FuseAttention,
     Attention3dLayout,
     MergeSiblingMatMuls,
+    NameCachePositions,
     FuseSilu,
     FuseSkipNorm,
 ]

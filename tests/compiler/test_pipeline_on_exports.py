@@ -29,14 +29,15 @@ CASES = [(family, exporter, "eager") for family in ("llama", "qwen2", "mistral",
 CASES += [("llama", "dynamo", "sdpa"), ("llama", "torchscript", "sdpa"), ("gpt2", "dynamo", "sdpa")]
 CASES += [(family, "optimum", "sdpa") for family in ("llama", "qwen2", "mistral", "gpt2")]
 
-GENERATION_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "qwen3", "gemma2")
+GENERATION_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "qwen3", "gemma2",
+                       "gemma3")
 THIRD_PARTY = ("optimum", "dynamo", "torchscript")
 PROMPTS = ("def fibonacci(", "Hi")  # two lengths: a batch with padding or two packed sequences
 NEW_TOKENS = 12
-# Cells the compiler cannot page, each with the reason its manifest must give. Optimum 0.1.0
-# exports Gemma-family models (transformers 4.57) computing positions from the past length; the
-# position_ids input is left unread, and a packed paged step cannot give them positions.
-NOT_PAGED = {("gemma", "optimum"): "position_ids", ("gemma2", "optimum"): "position_ids"}
+# Cells the compiler cannot page, each with the reason its manifest must give (none today;
+# Optimum's Gemma exports, which compute positions from the past length and take no position_ids
+# input, go paged through name-cache-positions).
+NOT_PAGED: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
