@@ -35,7 +35,7 @@ import onnxruntime as ort
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the fixture factories: exporters, hf_checkpoints
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "qwen3", "gemma2")
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "qwen3", "gemma2", "gemma3")
 EXPORTERS = ("optimum", "dynamo", "torchscript")
 PROMPTS = ("def fibonacci(", "Hi")
 NEW_TOKENS = 12
