@@ -15,14 +15,15 @@ takes: ``Split`` of a packed QKV, ``RotaryEmbedding`` (opset 23) on the 3-D Q an
 is the causal one (each query sees keys up to its own slot) and the padding one (keys whose
 attention_mask is 0), additive with the dtype's lowest finite value so padded rows stay finite.
 
-Positions are computed in the graph from `attention_mask` as GQA derives them, into a value named
-`position_ids`; the paged lowering, which feeds each packed token's position itself, replaces it.
-The graph's cache inputs/outputs get a static head size where the file left it symbolic.
+Positions are the graph's `position_ids` input when it has one, else computed from
+`attention_mask` as GQA derives them into a value named `position_ids`, which the paged lowering
+(feeding each packed token's position itself) replaces. The cache inputs/outputs get a static
+head size where the file left it symbolic.
 
-A ``local_window_size`` w becomes part of the mask (w slots: the query's own and the w − 1
-before it, as onnxruntime's kernel reads it, and as Hugging Face's sliding window). Left alone: a GQA whose past/present are not the graph's cache
-inputs/outputs, with ``smooth_softmax``, or with any of the optional position_ids /
-attention_bias / head_sink inputs. ``sliding_window_cache`` (a ring-buffer cache of `window`
+A ``local_window_size`` w becomes part of the mask: w slots, the query's own and the w − 1 before
+it, as onnxruntime's kernel reads it (and as Hugging Face's sliding window). Left alone: a GQA
+whose past/present are not the graph's cache inputs/outputs, with ``smooth_softmax``, or with
+any of the optional position_ids / attention_bias / head_sink inputs. ``sliding_window_cache`` (a ring-buffer cache of `window`
 slots, Gemma-2 from genai) is another interface altogether: an error naming the node.
 
 Preconditions: none on other passes; run before fuse-attention. `register()` adds schemas for
@@ -68,7 +69,7 @@ class CanonicalizeGroupQueryAttention(RewritePass):
     def rewrite(self, graph: Graph, gqa: onnx.NodeProto) -> Rewrite | None:
         inputs = list(gqa.input) + [""] * (12 - len(gqa.input))
         query, key, value, past_key, past_value = inputs[:5]
-        if "attention_mask" not in graph.inputs or "position_ids" in graph.inputs or "position_ids" in graph.producer:
+        if "attention_mask" not in graph.inputs or "position_ids" in graph.producer:
             return None
         if any(inputs[i] for i in _UNMODELLED_INPUTS) or attr(gqa, "smooth_softmax", 0):
             return None
@@ -90,7 +91,6 @@ class CanonicalizeGroupQueryAttention(RewritePass):
         head_dim, rest = divmod(width, kv_heads if key else heads + 2 * kv_heads)
         if rest:
             return None
-        self._head_sizes.update({name: head_dim for name in (past_key, past_value, *outputs[1:3])})
         np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
         nodes, constants = [], []
 
@@ -113,7 +113,7 @@ class CanonicalizeGroupQueryAttention(RewritePass):
             rotary = {"interleaved": attr(gqa, "rotary_interleaved", 0)}
             if 2 * cos_shape[1] != head_dim:
                 rotary["rotary_embedding_dim"] = 2 * cos_shape[1]
-            if not self._positions_made:
+            if not self._positions_made and "position_ids" not in graph.inputs:
                 nodes += _positions(graph, query, constants)
                 self._positions_made = True
             q_rot = graph.node("RotaryEmbedding", [query, cos, sin, "position_ids"], num_heads=heads, **rotary)
@@ -129,6 +129,7 @@ class CanonicalizeGroupQueryAttention(RewritePass):
         nodes.append(graph.node("Attention", [query, key, value, mask, past_key, past_value], outputs,
                                 q_num_heads=heads, kv_num_heads=kv_heads, scale=float(scale),
                                 **({"softcap": float(softcap)} if softcap else {})))
+        self._head_sizes.update({name: head_dim for name in (past_key, past_value, *outputs[1:3])})
         return Rewrite([gqa], nodes, constants)
 
 

@@ -122,3 +122,13 @@ def test_ring_buffer_cache_is_an_error_naming_the_node():
     model.graph.node[-1].name = "layers.0/attn/GQA"
     with pytest.raises(LlmcError, match="node 'layers.0/attn/GQA'.*sliding_window_cache=1"):
         CanonicalizeGroupQueryAttention().run(model)
+
+
+def test_a_position_ids_input_is_used():
+    model = gqa_model()
+    model.graph.input.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]))
+    result = CanonicalizeGroupQueryAttention().run(copy.deepcopy(model))
+    assert result.matches == 1
+    assert "position_ids" not in {name for n in result.model.graph.node for name in n.output}
+    inputs = {**feeds(1, 3, 5), "position_ids": np.arange(5, 8)[None]}
+    assert compare_outputs(run_onnx(model, inputs), run_onnx(result.model, inputs)).max_abs < 1e-5
