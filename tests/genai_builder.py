@@ -32,15 +32,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LLMC_TEST_CACHE", Path.home() / ".cache" / "llmc-tests"))
 
 
-def genai_model(family: str) -> tuple[Path, Path]:
+def genai_model(family: str, precision: str = "fp32") -> tuple[Path, Path]:
     """(checkpoint folder, builder output folder) for `family`, both cached.
+
+    Args:
+        family: one of hf_checkpoints.ALL_FAMILIES.
+        precision: the builder's -p: fp32, or int4 (MatMulNBits weights), fp16, ...
 
     Raises:
         BuilderRefused: the builder failed on this family (tests skip with its reason).
     """
     import onnxruntime_genai
 
-    root = cache_dir() / f"genai-{onnxruntime_genai.__version__}" / family
+    root = cache_dir() / f"genai-{onnxruntime_genai.__version__}" / (family if precision == "fp32" else f"{family}-{precision}")
     checkpoint, output = root / "checkpoint", root / "genai"
     refused = root / "refused.txt"
     if refused.is_file():
@@ -53,7 +57,7 @@ def genai_model(family: str) -> tuple[Path, Path]:
         write_hf_checkpoint(scratch / "checkpoint", family)
         done = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder",
                                "-i", str(scratch / "checkpoint"), "-o", str(scratch / "genai"),
-                               "-p", "fp32", "-e", "cpu", "-c", str(scratch / "cache")],
+                               "-p", precision, "-e", "cpu", "-c", str(scratch / "cache")],
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             # The last line of the traceback says why (not its ~~~^^^ underlining).

@@ -29,9 +29,9 @@ FAMILIES = ("llama", "llama3", "qwen2", "qwen3", "mistral", "phi3", "gemma", "ge
 CONTIGUOUS_DIFFERS = ("mistral",)
 
 
-def _build(family: str):
+def _build(family: str, precision: str = "fp32"):
     try:
-        return genai_model(family)
+        return genai_model(family, precision)
     except BuilderRefused as refused:
         pytest.skip(str(refused))
 
@@ -119,3 +119,28 @@ def test_batch_of_unequal_prompts_equals_transformers(options, tmp_path):
     for completion in completions:
         want = _hf_greedy(checkpoint, completion.prompt_token_ids)[:16]
         assert completion.token_ids == want, completion.prompt
+
+
+def test_int4_output_equals_genai_own_generation(tmp_path):
+    """The builder's int4 form (MatMulNBits weights) compiles paged, and its greedy tokens equal
+    onnxruntime-genai's own generation over the same files (the reference for a quantized graph)."""
+    import onnxruntime_genai as og
+
+    checkpoint, genai = _build("llama", "int4")
+    engine = tmp_path / "engine.plan"
+    compiled = _compile(genai, checkpoint, engine)
+    assert compiled.exit_code == 0, compiled.output
+    assert read_manifest(engine)["paged"] is not None
+    record = _run(engine)
+    prompt_ids = record["prompt_token_ids"]
+    model = og.Model(str(genai))
+    params = og.GeneratorParams(model)
+    total = len(prompt_ids) + NEW_TOKENS
+    params.set_search_options(do_sample=False, max_length=total, min_length=total)
+    generator = og.Generator(model, params)
+    generator.append_tokens([prompt_ids])
+    reference = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        reference.append(int(generator.get_next_tokens()[0]))
+    assert record["token_ids"] == reference[:len(record["token_ids"])] and len(record["token_ids"]) == NEW_TOKENS
