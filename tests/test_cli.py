@@ -177,11 +177,11 @@ def test_run_bad_prompts_file(tiny_llama_engine, tmp_path):
 
 
 def test_export_failure_leaves_no_output(tmp_path, monkeypatch):
-    import llmc.compiler.export as export_module
+    import llmc.compiler.onnx_io as onnx_io
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(export_module.onnx, "save_model", broken)
+    monkeypatch.setattr(onnx_io.onnx, "save_model", broken)  # the exporter saves through onnx_io
     assert_refused(llmc("export", "tiny-llama", "-o", tmp_path / "m.onnx", "--no-check"), "disk full")
     assert list(tmp_path.iterdir()) == []
