@@ -1,7 +1,8 @@
 """Third-party exports benchmark: family × exporter → compiles (paged), greedy match, nodes, latency.
 
 For each family (seeded tiny checkpoints from tests/hf_checkpoints.py: 2 layers, hidden 64) and
-each exporter (tests/exporters.py: Optimum in its own venv, torch.onnx dynamo, TorchScript), the
+each exporter (tests/exporters.py: Optimum in its own venv, torch.onnx dynamo, TorchScript,
+`llmc export`; tests/genai_builder.py: onnxruntime-genai's model builder, fp32 CPU), the
 checkpoint is exported once and then:
 
   compiles   `compile_model` with the default options; "paged" or the manifest's reason not to
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the fixture factories: exporters, hf_checkpoints
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "gpt_neox", "phi3", "gemma", "qwen3", "gemma2", "gemma3")
-EXPORTERS = ("optimum", "dynamo", "torchscript")
+EXPORTERS = ("optimum", "dynamo", "torchscript", "llmc", "genai")
 PROMPTS = ("def fibonacci(", "Hi")
 NEW_TOKENS = 12
 DECODE_PAST = 32
@@ -92,20 +93,27 @@ def run_cell(family: str, exporter: str, folder: Path, work: Path, model, thread
 
     cell = {"family": family, "exporter": exporter}
     path = work / f"{family}-{exporter}" / "model.onnx"
+    engine = path.with_name("engine.plan")
     try:
-        if not path.is_file():
+        if exporter == "genai":
+            path = _genai_export(family)
+        elif not path.is_file():
             start = time.perf_counter()
             export_decoder(folder, exporter, path)
             log(f"{family}/{exporter}: exported in {time.perf_counter() - start:.1f} s")
-    except ExporterUnavailable as exc:
-        return {**cell, "error": f"exporter unavailable: {exc}"}
+    except (ExporterUnavailable, RuntimeError) as exc:
+        return {**cell, "error": f"exporter unavailable: {str(exc).strip().splitlines()[-1][:160]}"}
+    engine.parent.mkdir(parents=True, exist_ok=True)
+    # The builder re-saves the tokenizer and may add a token past these tiny models' vocabulary
+    # (Qwen2's, Gemma's pad): take the checkpoint's own, as tests/compiler/test_genai_builder.py does.
+    tokenizer = path.parent.parent / "checkpoint" if exporter == "genai" else None
     try:
-        manifest = compile_model(path, path.with_name("engine.plan"))
+        manifest = compile_model(path, engine, tokenizer=tokenizer)
     except Exception as exc:  # the table records any failure rather than stopping the run
         return {**cell, "error": f"compile: {type(exc).__name__}: {str(exc)[:200]}"}
     cell["paged"] = manifest["paged"] is not None
     cell["not_paged"] = manifest.get("not_paged")
-    completions = LLM(path.with_name("engine.plan")).generate(
+    completions = LLM(engine).generate(
         list(PROMPTS), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     cell["greedy_match"] = all(c.token_ids == reference_greedy(model, c.prompt_token_ids) for c in completions)
     raw = onnx.load(path)
@@ -114,6 +122,16 @@ def run_cell(family: str, exporter: str, folder: Path, work: Path, model, thread
     cell["decode_raw_ms"], cell["decode_optimized_ms"] = (round(t, 3) for t in decode_latency(raw, optimized, threads))
     log(f"{family}/{exporter}: {cell}")
     return cell
+
+
+def _genai_export(family: str) -> Path:
+    """The builder's model.onnx (its checkpoint is write_hf_checkpoint's, seeded like `folder`)."""
+    from genai_builder import BuilderRefused, genai_model
+
+    try:
+        return genai_model(family)[1] / "model.onnx"
+    except BuilderRefused as exc:
+        raise RuntimeError(f"builder refused: {exc}") from None
 
 
 def table(cells: list[dict]) -> str:
