@@ -148,6 +148,22 @@ class DecoderArgs:
         return decoder_args(cfg)
 
 
+# Built-in models (models/registry.py), seeded random weights; all use the byte-level tokenizer.
+CONFIGS: dict[str, DecoderArgs] = {
+    "tiny-llama": DecoderArgs(
+        vocab_size=258,
+        hidden_size=256,
+        intermediate_size=688,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+}
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight (or * (1 + weight), Gemma's form), computed in float32 like HF.
 

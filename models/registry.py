@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import gpt2, llama
+from . import decoder, gpt2
 from .base import DecoderLM
 from .checkpoint import LoadedModel, load_checkpoint
 from .decoder import RMSNorm
 from llmc.tokenizer import byte_level_tokenizer
 
 # name -> args; the args type picks the model class. All use the 258-token byte-level tokenizer.
-BUILTIN_MODELS: dict[str, llama.LlamaArgs | gpt2.GPT2Args] = {**llama.CONFIGS, **gpt2.CONFIGS}
+BUILTIN_MODELS: dict[str, decoder.DecoderArgs | gpt2.GPT2Args] = {**decoder.CONFIGS, **gpt2.CONFIGS}
 
 
 def load_model(name_or_path: str | Path) -> LoadedModel:
@@ -45,7 +45,7 @@ def build_builtin(name: str, seed: int = 0) -> DecoderLM:
         seed: seed of the weight generator.
     """
     args = BUILTIN_MODELS[name]
-    model: DecoderLM = llama.Llama(args) if isinstance(args, llama.LlamaArgs) else gpt2.GPT2(args)
+    model: DecoderLM = decoder.Decoder(args) if isinstance(args, decoder.DecoderArgs) else gpt2.GPT2(args)
     init_weights(model, seed)
     return model.eval()
 

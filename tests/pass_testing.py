@@ -80,7 +80,7 @@ def edges(model: onnx.ModelProto) -> list[tuple[str, list[str], list[str]]]:
 
 def llmc_rms_norm(width: int = 32) -> torch.nn.Module:
     """llmc's own RMSNorm with a non-trivial weight."""
-    from llmc.models.llama import RMSNorm
+    from llmc.models.decoder import RMSNorm
 
     norm = RMSNorm(width, 1e-5)
     with torch.no_grad():

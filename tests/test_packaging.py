@@ -19,7 +19,7 @@ def test_wheel_installs_only_the_llmc_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"llmc", "llmc-0.1.0.dist-info"}
     for module in ("llmc/cli.py", "llmc/compiler/export.py", "llmc/runtime/sampler.py",
-                   "llmc/models/llama.py"):
+                   "llmc/models/decoder.py"):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read("llmc-0.1.0.dist-info/entry_points.txt").decode()
     assert "llmc = llmc.cli:main" in entry_points

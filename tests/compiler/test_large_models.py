@@ -21,7 +21,8 @@ from llmc.compiler.engine_file import read_manifest
 from llmc.compiler.export import export
 from llmc.llm import LLM
 from llmc.models import LoadedModel
-from llmc.models.llama import Llama, LlamaArgs
+from llmc.models.decoder import Decoder as Llama
+from llmc.models.decoder import DecoderArgs as LlamaArgs
 from llmc.models.registry import init_weights
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.tokenizer import byte_level_tokenizer

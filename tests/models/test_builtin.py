@@ -7,7 +7,7 @@ import torch
 
 from llmc.models import BUILTIN_MODELS, load_model
 from llmc.models.gpt2 import GPT2Args
-from llmc.models.llama import LlamaArgs
+from llmc.models.decoder import DecoderArgs as LlamaArgs
 
 
 def _past(model, batch: int, length: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -6,7 +6,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from pass_testing import assert_unchanged, export_module, op_counts, run_pass
 
-from llmc.models.llama import LlamaArgs, LlamaMLP
+from llmc.models.decoder import MLP as LlamaMLP
+from llmc.models.decoder import DecoderArgs as LlamaArgs
 from llmc.passes.fuse_silu import FuseSilu
 
 
