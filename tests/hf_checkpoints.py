@@ -164,3 +164,20 @@ def hf_model(folder: Path) -> transformers.PreTrainedModel:
         folder, attn_implementation="eager", dtype=torch.float32
     )
     return model.eval()
+
+
+def hf_greedy(folder: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` from a checkpoint folder, stopping at its own EOS ids
+    (generation_config): the reference that llmc's greedy tokens are compared with.
+
+    Args:
+        folder: a checkpoint folder.
+        prompt_ids: the prompt's token ids.
+        new_tokens: at most this many new tokens.
+    """
+    reference = hf_model(folder)
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        generated = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=new_tokens, pad_token_id=257)
+    return generated[0, ids.shape[1]:].tolist()

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from click.testing import CliRunner
-from hf_checkpoints import ALL_FAMILIES, hf_model, write_hf_checkpoint
+from hf_checkpoints import ALL_FAMILIES, hf_greedy, hf_model, write_hf_checkpoint
 
 from llmc import LLM, SamplingParams
 from llmc.cli import main
@@ -36,16 +36,6 @@ def _export_and_compile(folder, out, *compile_options):
     compiled = runner.invoke(main, ["compile", str(out / "model.onnx"), "-o", str(engine), *compile_options])
     assert compiled.exit_code == 0, compiled.output
     return engine
-
-
-def _hf_greedy(folder, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """transformers' greedy generate, stopping at the checkpoint's own EOS ids (generation_config)."""
-    reference = hf_model(folder)
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        generated = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=new_tokens, pad_token_id=257)
-    return generated[0, ids.shape[1]:].tolist()
 
 
 @pytest.fixture(scope="module", params=ALL_FAMILIES)
@@ -80,7 +70,7 @@ def _run(engine) -> dict:
 def test_greedy_tokens_equal_transformers_generate(compiled):
     family, folder, out, engine = compiled
     record = _run(engine)
-    assert record["token_ids"] == _hf_greedy(folder, record["prompt_token_ids"], NEW_TOKENS)
+    assert record["token_ids"] == hf_greedy(folder, record["prompt_token_ids"], NEW_TOKENS)
 
 
 def test_contiguous_engine_equals_transformers_generate(compiled):
@@ -90,7 +80,7 @@ def test_contiguous_engine_equals_transformers_generate(compiled):
     engine = _export_and_compile(folder, out, "--no-paged")
     assert read_manifest(engine)["paged"] is None
     record = _run(engine)
-    assert record["token_ids"] == _hf_greedy(folder, record["prompt_token_ids"], NEW_TOKENS)
+    assert record["token_ids"] == hf_greedy(folder, record["prompt_token_ids"], NEW_TOKENS)
 
 
 def test_onnx_logits_equal_transformers(compiled):
@@ -116,13 +106,13 @@ def test_every_eos_id_stops_generation(tmp_path):
     """A second EOS id listed only in generation_config.json ends generation where it is produced."""
     folder = write_hf_checkpoint(tmp_path / "ckpt", "llama3")  # config.json: eos_token_id [257, 10]
     prompt_ids = [256, *PROMPT.encode()]
-    free = _hf_greedy(folder, prompt_ids, 16)
+    free = hf_greedy(folder, prompt_ids, 16)
     # A token of the free run that is not already an EOS id and first appears at index >= 2.
     stop_at = next(i for i, t in enumerate(free) if i >= 2 and t not in (257, 10) and t not in free[:i])
     generation_config = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(
         json.dumps({**generation_config, "eos_token_id": [257, 10, free[stop_at]]}))
-    assert _hf_greedy(folder, prompt_ids, 16) == free[:stop_at + 1]  # transformers stops there too
+    assert hf_greedy(folder, prompt_ids, 16) == free[:stop_at + 1]  # transformers stops there too
     engine = _export_and_compile(folder, tmp_path)
     completion = LLM(engine).generate(PROMPT, SamplingParams(max_new_tokens=16))[0]
     assert completion.prompt_token_ids == prompt_ids

@@ -10,10 +10,9 @@ Families the builder refuses are skipped with its message.
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
 from genai_builder import BuilderRefused, genai_model
-from hf_checkpoints import hf_model
+from hf_checkpoints import hf_greedy
 
 from llmc import LLM, SamplingParams
 from llmc.cli import main
@@ -51,15 +50,6 @@ def _run(engine) -> dict:
     return json.loads(result.stdout)
 
 
-def _hf_greedy(folder, prompt_ids: list[int]) -> list[int]:
-    reference = hf_model(folder)
-    ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        generated = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=NEW_TOKENS, pad_token_id=257)
-    return generated[0, ids.shape[1]:].tolist()
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def built(request):
     return (request.param, *_build(request.param))
@@ -80,7 +70,7 @@ def test_paged_engine_equals_transformers_generate(built, tmp_path):
     if family == "mistral":  # the window comes from genai_config.json's sliding_window
         assert manifest["sliding_window"] == 4
     record = _run(engine)
-    assert record["token_ids"] == _hf_greedy(checkpoint, record["prompt_token_ids"])
+    assert record["token_ids"] == hf_greedy(checkpoint, record["prompt_token_ids"], NEW_TOKENS)
 
 
 def test_contiguous_engine_equals_transformers_generate(built, tmp_path):
@@ -92,7 +82,7 @@ def test_contiguous_engine_equals_transformers_generate(built, tmp_path):
     assert compiled.exit_code == 0, compiled.output
     assert read_manifest(engine)["paged"] is None
     record = _run(engine)
-    assert record["token_ids"] == _hf_greedy(checkpoint, record["prompt_token_ids"])
+    assert record["token_ids"] == hf_greedy(checkpoint, record["prompt_token_ids"], NEW_TOKENS)
 
 
 def test_ring_buffer_cache_is_refused_in_one_line(tmp_path):
@@ -117,7 +107,7 @@ def test_batch_of_unequal_prompts_equals_transformers(options, tmp_path):
     prompts = ["def fibonacci(", "x", "Hello, world"]
     completions = LLM(engine).generate(prompts, SamplingParams(max_new_tokens=16))
     for completion in completions:
-        want = _hf_greedy(checkpoint, completion.prompt_token_ids)[:16]
+        want = hf_greedy(checkpoint, completion.prompt_token_ids, NEW_TOKENS)[:16]
         assert completion.token_ids == want, completion.prompt
 
 
