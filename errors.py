@@ -8,3 +8,9 @@ fault first, e.g. ``model.onnx: not a decoder with past: no input 'past_key_valu
 
 class LlmcError(ValueError):
     """Bad input: a file, graph, option or request that llmc cannot use."""
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message cut to one line, for one-line errors wrapping a library's own."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:limit]

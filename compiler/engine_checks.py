@@ -20,7 +20,7 @@ import onnxruntime as ort
 from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
 from llmc.compiler.onnx_io import check_model, infer_shapes, is_large, load_onnx
 from llmc.compiler.pipeline import optimize
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, first_line
 from llmc.plugins.paged_attention_onnx import register
 
 # Relative to the largest reference output magnitude: fused ops reorder float sums, nothing more.
@@ -53,7 +53,7 @@ def check_against_source(model: onnx.ModelProto, source: Path, *, exact: bool,
         got = run_onnx(model, feeds)
     except Exception as exc:  # onnxruntime raises its own types for graphs it cannot load or run
         _locate_pass(source, level, passes)
-        raise LlmcError(f"{source}: the optimized graph does not run in onnxruntime: {_first_line(exc)}") from None
+        raise LlmcError(f"{source}: the optimized graph does not run in onnxruntime: {first_line(exc)}") from None
     if not exact:
         bad = [name for name, value in got.items() if not np.isfinite(value).all()]
         if bad:
@@ -95,7 +95,7 @@ def check_engine_graph(model: onnx.ModelProto, output: Path) -> None:
         infer_shapes(model, check_type=True, strict_mode=True)
     except Exception as exc:  # checker and inference raise several types; all mean a broken graph
         raise LlmcError(f"{output}: the engine's graph is invalid, nothing written "
-                        f"(a bug in llmc's lowering or precision passes): {_first_line(exc)}") from None
+                        f"(a bug in llmc's lowering or precision passes): {first_line(exc)}") from None
 
 
 def _locate_pass(source: Path, level, passes) -> None:
@@ -111,7 +111,3 @@ def _run_file(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(names, feeds)))
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]

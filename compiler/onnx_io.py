@@ -29,7 +29,7 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, first_line
 
 # Protobuf cannot serialize a message of 2 GiB or more; stay clear of it with headroom for the graph.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -67,7 +67,7 @@ def load_onnx(path: str | os.PathLike, *, load_weights: bool = True) -> onnx.Mod
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several unrelated types on garbage input
-        raise LlmcError(f"{path}: not a readable ONNX model ({_first_line(exc)})") from None
+        raise LlmcError(f"{path}: not a readable ONNX model ({first_line(exc, 200)})") from None
     if not load_weights or not any(uses_external_data(t) for t in _get_all_tensors(model)):
         return model
     try:
@@ -76,7 +76,7 @@ def load_onnx(path: str | os.PathLike, *, load_weights: bool = True) -> onnx.Mod
         else:
             onnx.load_external_data_for_model(model, str(path.parent))
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:
-        raise LlmcError(f"{path}: cannot read its external data ({_first_line(exc)})") from None
+        raise LlmcError(f"{path}: cannot read its external data ({first_line(exc, 200)})") from None
     return model
 
 
@@ -327,7 +327,7 @@ def validate(model: onnx.ModelProto, source: Path) -> None:
             del model.graph.value_info[:]
             infer_shapes(model, check_type=True, strict_mode=True)
     except Exception as exc:  # checker and inference raise several types; all mean "invalid graph"
-        raise LlmcError(f"{source}: invalid ONNX graph: {_first_line(exc)}") from None
+        raise LlmcError(f"{source}: invalid ONNX graph: {first_line(exc, 200)}") from None
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -343,10 +343,6 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         os.unlink(tmp)
         raise
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:200]
 
 
 # --- external data ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import onnx
 from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
 from llmc.compiler.onnx_io import (check_model, infer_shapes, load_onnx, save_onnx, validate,
                                    write_text_atomic)
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, first_line
 from llmc.passes.base import Pass
 from llmc.passes.registry import PASSES
 
@@ -116,7 +116,7 @@ def optimize(model: onnx.ModelProto, *, level: str | int | None = None,
             reference = run_onnx(model, feeds)
         except Exception as exc:  # onnxruntime raises its own types
             raise LlmcError("--verify: onnxruntime cannot run the input graph on seeded inputs: "
-                            f"{str(exc).strip().splitlines()[0][:300]}") from None
+                            f"{first_line(exc)}") from None
     report = []
     for pass_ in pipeline:
         nodes_before = len(model.graph.node)
@@ -130,7 +130,7 @@ def optimize(model: onnx.ModelProto, *, level: str | int | None = None,
             refresh_shapes(model)
         except Exception as exc:  # shape inference raises several types; all mean a broken graph
             raise LlmcError(f"pass '{pass_.name}' left a graph whose shapes cannot be inferred: "
-                            f"{str(exc).strip().splitlines()[0][:300]}") from None
+                            f"{first_line(exc)}") from None
         entry = {"pass": pass_.name, "matches": result.matches, "nodes_before": nodes_before,
                  "nodes_after": len(model.graph.node),
                  "seconds": round(time.perf_counter() - start, 4), "notes": result.notes}
@@ -140,7 +140,7 @@ def optimize(model: onnx.ModelProto, *, level: str | int | None = None,
                 outputs = run_onnx(model, feeds)
             except Exception as exc:  # onnxruntime raises its own types for graphs it cannot run
                 raise LlmcError(f"pass '{pass_.name}' left a graph onnxruntime cannot run: "
-                                f"{str(exc).strip().splitlines()[0][:300]}") from None
+                                f"{first_line(exc)}") from None
             comparison = compare_outputs(reference, outputs)
             entry["verify"] = comparison.to_dict()
             if not comparison.max_abs <= tolerance:
@@ -198,7 +198,7 @@ def _check_valid(model: onnx.ModelProto, pass_name: str) -> None:
         infer_shapes(model, strict_mode=True)
     except Exception as exc:  # checker and inference raise several types
         raise LlmcError(f"pass '{pass_name}' left an invalid graph: "
-                        f"{str(exc).strip().splitlines()[0][:300]}") from None
+                        f"{first_line(exc)}") from None
 
 
 def optimize_file(source: str | os.PathLike, output: str | os.PathLike, *, level: str | int | None = None,
