@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
 import tempfile
 
 import numpy as np
@@ -117,14 +118,26 @@ def _declared_rank_shape(tensor: onnx.TypeProto.Tensor, array: np.ndarray) -> tu
 
 def run_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run `model` with onnxruntime on CPU, with its own graph optimizations off."""
+    files = serialize(model)
+    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
+        return _run(open_session(files, folder, _unoptimized()), feeds)
+
+
+def run_onnx_file(path: str | os.PathLike, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`run_onnx` on a file (its external data read by onnxruntime, not loaded here first)."""
+    return _run(ort.InferenceSession(str(path), _unoptimized(), providers=["CPUExecutionProvider"]), feeds)
+
+
+def _unoptimized() -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.log_severity_level = 3
-    files = serialize(model)
-    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
-        session = open_session(files, folder, options)
-        names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(names, feeds)))
+    return options
+
+
+def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(names, feeds)))
 
 
 def compare_outputs(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> Comparison:

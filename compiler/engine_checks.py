@@ -15,9 +15,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
-from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
+from llmc.compiler.compare import compare_outputs, run_onnx, run_onnx_file, seeded_feeds
 from llmc.compiler.onnx_io import check_model, infer_shapes, is_large, load_onnx
 from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError, first_line
@@ -59,7 +58,7 @@ def check_against_source(model: onnx.ModelProto, source: Path, *, exact: bool,
         if bad:
             raise LlmcError(f"{source}: the compiled graph's '{bad[0]}' has non-finite values on seeded inputs")
         return
-    want = _run_file(source, feeds)
+    want = run_onnx_file(source, feeds)
     comparison = compare_outputs(want, got)
     scale = max(1.0, max(float(np.abs(v).max(initial=0.0)) for v in want.values()))
     if not comparison.max_abs <= TOLERANCE * scale:
@@ -102,12 +101,4 @@ def _locate_pass(source: Path, level, passes) -> None:
     """Rerun the pipeline on a fresh copy under --verify; it raises naming the first bad pass."""
     optimize(load_onnx(source), level=level, passes=passes, verify=True)
 
-
-def _run_file(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(names, feeds)))
 
