@@ -38,7 +38,19 @@ LEVELS = 128  # int8 magnitudes 0..127
 class TensorStats:
     absmax: float = 0.0
     channel_absmax: np.ndarray | None = None  # per last-axis channel
+    channel_abssum: np.ndarray | None = None  # per channel, over `rows` rows: mean |x| = abssum / rows
+    rows: int = 0
+    samples: list[np.ndarray] = field(default_factory=list)  # rows kept to measure quantization error on
     histogram: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
+
+    @property
+    def channel_absmean(self) -> np.ndarray | None:
+        return None if self.channel_abssum is None else self.channel_abssum / max(self.rows, 1)
+
+    @property
+    def sample(self) -> np.ndarray | None:
+        """The kept rows as one [rows, channels] float32 array, or None."""
+        return np.concatenate(self.samples) if self.samples else None
 
 
 def check_calibrator(calibrator: str, tokens: int | None = None) -> None:
@@ -51,8 +63,11 @@ def check_calibrator(calibrator: str, tokens: int | None = None) -> None:
 
 
 def observe(model: onnx.ModelProto, windows: list[np.ndarray], names: list[str], *, histograms: bool,
+            sample_rows: int = 0,
             progress: Callable[[str], None] = lambda message: None) -> dict[str, TensorStats]:
-    """Statistics of the named float tensors over every window (one sequence each, empty past)."""
+    """Statistics of the named float tensors over every window (one sequence each, empty past);
+    with `sample_rows`, about that many rows (token positions) of each tensor are kept, spread
+    evenly over the windows (a seeded choice, so a compile is reproducible)."""
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
@@ -65,12 +80,22 @@ def observe(model: onnx.ModelProto, windows: list[np.ndarray], names: list[str],
     session = ort.InferenceSession(files["model.onnx"], options, providers=["CPUExecutionProvider"])
     stats = {n: TensorStats() for n in names}
     progress(f"calibration: ranges over {len(windows)} windows")
+    rng = np.random.default_rng(0)
+    per_window = -(-sample_rows // max(len(windows), 1))
     for window in windows:
+        picked = None
         for name, value in zip(names, session.run(names, prefill_feeds(session, window))):
-            s, magnitude = stats[name], np.abs(value.reshape(-1, value.shape[-1]))
+            rows = value.reshape(-1, value.shape[-1])
+            s, magnitude = stats[name], np.abs(rows)
             s.absmax = max(s.absmax, float(magnitude.max(initial=0.0)))
-            channels = magnitude.max(axis=0)
+            channels, total = magnitude.max(axis=0), magnitude.sum(axis=0, dtype=np.float64)
             s.channel_absmax = channels if s.channel_absmax is None else np.maximum(s.channel_absmax, channels)
+            s.channel_abssum = total if s.channel_abssum is None else s.channel_abssum + total
+            s.rows += len(rows)
+            if per_window:
+                if picked is None:
+                    picked = np.sort(rng.choice(len(rows), min(per_window, len(rows)), replace=False))
+                s.samples.append(rows[picked].astype(np.float32))
     if histograms:
         progress(f"calibration: histograms over {len(windows)} windows")
         for window in windows:
