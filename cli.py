@@ -99,15 +99,24 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--int8-calib", type=click.Path(), help="Static int8 (Q/DQ) for linear layers, calibrated on "
               "this folder's .txt/.jsonl/.npy/.npz.")
 @click.option("--calibrator", default="minmax", show_default=True, help="minmax, percentile or entropy.")
-@click.option("--smoothquant", type=float, default=None, help="SmoothQuant alpha (e.g. 0.5) for --int8-calib.")
+@click.option("--smoothquant", type=float, default=None,
+              help="SmoothQuant strength for int8 (0 turns it off; default: chosen per activation by measurement).")
+@click.option("--int8-dynamic", is_flag=True, help="int8 (Q/DQ) for linear layers with per-token activation scales "
+              "computed at run time: no calibration.")
 @click.option("--calib-tokens", default=4096, show_default=True, type=int, help="Calibration tokens read at most.")
 @click.option("--weights", default=None, help="Weight-only int8 or int4 for linear layers (activations stay float).")
 @click.option("--weights-block-size", default=32, show_default=True, type=int, help="Weights per scale for --weights.")
 @click.option("--precision-config", type=click.Path(), help="Mixed precision: JSON mapping layers or op types "
-              "to fp32/fp16/int8/int8-weights/int4.")
+              "to fp32/fp16/int8/int8-dynamic/int8-weights/int4.")
+@click.option("--calib", type=click.Path(), help="Text like your traffic (.txt/.jsonl/.npy/.npz folder) to check a "
+              "quantized engine's accuracy on (and to smooth int8 with), when --int8-calib does not name it.")
+@click.option("--max-ppl-increase", default=3.0, show_default=True, type=float,
+              help="Refuse a quantized engine whose perplexity on held-back data rises more (percent).")
+@click.option("--force", is_flag=True, help="Write the engine even past --max-ppl-increase, or without data to check it.")
 def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, block_size,
-                    max_batch, max_seq_len, kv_pool_mb, kv_cache_dtype, fp16, int8_calib, calibrator, smoothquant, calib_tokens,
-                    weights, weights_block_size, precision_config):
+                    max_batch, max_seq_len, kv_pool_mb, kv_cache_dtype, fp16, int8_calib, calibrator, smoothquant,
+                    int8_dynamic, calib_tokens, weights, weights_block_size, precision_config, calib, max_ppl_increase,
+                    force):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
     from llmc.compiler.paged_engine import KV_DTYPES, PagedOptions
@@ -123,7 +132,8 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
                              passes=_pass_names(passes), verify=verify, paged=options,
                              precision=PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens,
-                                                        weights, weights_block_size, precision_config),
+                                                        weights, weights_block_size, precision_config, int8_dynamic,
+                                                        calib, max_ppl_increase, force),
                              progress=_progress)
     steps = manifest["optimization"]
     if steps:

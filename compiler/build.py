@@ -20,8 +20,10 @@ import llmc
 from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.engine_checks import check_against_source, check_engine_graph, unfused_attention
 from llmc.compiler.engine_file import write_engine
-from llmc.compiler.onnx_io import is_large, load_onnx, validate, write_model_files
+from llmc.compiler.onnx_io import is_large, load_onnx, serialize, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
+from llmc.precision.gate import check_accuracy
+from llmc.precision.linears import linear_layers
 from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, refresh_shapes, resolve
 from llmc.errors import LlmcError
@@ -71,7 +73,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         raise LlmcError(f"tokenizer: {tok.vocab_size} tokens do not fit the model's vocabulary of "
                         f"{interface.geometry.vocab_size}")
     g = interface.geometry
-    calibration = calibration_windows(precision, tok, g.vocab_size, g.max_positions)  # bad data fails early
+    calibration, held_back = calibration_windows(precision, tok, g.vocab_size, g.max_positions)  # bad data fails early
     source_nodes = len(model.graph.node)
     pool = plan_pool(paged, interface) if paged is not None else None  # bad sizes fail early
     progress(f"optimizing {source_nodes} nodes")
@@ -79,8 +81,17 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
                              progress=progress if large else lambda message: None)  # passes take minutes past 2 GB
     precision_entry = None
     if not precision.is_default:
+        float_graph = None if large or not held_back else serialize(model)["model.onnx"]
+        layers = {l.name: (l.node.input[0], l.node.output[0]) for l in linear_layers(model)}
         precision_entry = apply_precision(model, precision, mixed, calibration, progress)
         refresh_shapes(model)  # the paged lowering reads ranks
+        if float_graph is not None:
+            rewritten = {name: values for name, values in layers.items() if precision_entry["linears"][name] != "fp32"}
+            accuracy = check_accuracy(float_graph, model, held_back, rewritten, max_ppl_increase=precision.max_ppl_increase,
+                                    force=precision.force, progress=progress)
+            precision_entry["accuracy"] = accuracy.to_dict()
+        elif held_back:
+            progress("accuracy not checked: the held-back comparison runs in memory, which models past 2 GB exceed")
     check_against_source(model, onnx_path, exact=precision.is_default, level=level, passes=passes,
                          progress=progress)
     paged_entry, not_paged = None, "not requested"

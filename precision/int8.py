@@ -1,24 +1,35 @@
-"""Static int8 as explicit Q/DQ: what TensorRT 11 builds int8 engines from (it no longer
-calibrates itself), and what onnxruntime runs on the CPU.
+"""int8 as explicit Q/DQ: what TensorRT 11 builds int8 engines from (it no longer calibrates
+itself), and what onnxruntime runs on the CPU.
 
 For every selected linear layer MatMul(x, W):
 
     W  → int8 initializer, per output channel symmetric (scale = max|W[:, n]| / 127)
          → DequantizeLinear(axis=1) → MatMul
-    x  → QuantizeLinear → DequantizeLinear (per tensor, symmetric, scale = threshold / 127,
-         the threshold from the calibrator) → MatMul; layers reading the same x share one pair
+    x  → QuantizeLinear → DequantizeLinear → MatMul, symmetric (zero points are int8 zeros, as
+         TensorRT requires); layers reading the same x share one pair. Its scale is either
+         static:    per tensor, threshold / 127, the threshold from the calibrator; or
+         per token: computed at run time, max|x| of each row / 127 (blocked Q/DQ over the last
+                    axis, opset 21), which needs no calibration.
 
-Zero points are int8 zeros: symmetric, as TensorRT requires.
+Which activations get per-token scales: all of them in the dynamic mode; with calibration, the
+inputs of the MLP's down projections (`PER_TOKEN_ROLES`). Those carry token-specific outliers
+(on SmolLM2-135M a few tokens reach 500 where the median channel is 7): one static scale sized
+for them leaves the other tokens a handful of levels. Measured there on real text: static
+everywhere +10% perplexity (after smoothing), per-token down projections +0.5%
+(bench/RESULTS.md).
 
-SmoothQuant (optional, alpha in (0, 1)): where x is a normalization's output read only by linear
-layers, outlier channels are moved from activations into weights before quantizing:
-s_j = max|x_j|^alpha / max|W_j|^(1-alpha) over those layers; the norm's scale is divided by s and
-each W's row j multiplied by it. The float function is unchanged; int8 suffers less from x's
-outlier channels.
+SmoothQuant moves activation outlier channels into the weights before quantizing. Where x comes
+from a normalization (read only by these layers), or is an MLP's gate · up product, a per-channel
+s divides x (folded into the norm's scale, or into the up projection's output columns) and
+multiplies W's rows: the float function is unchanged. s_j = max|x_j|^a / max|W_j|^(1-a). The
+strength a is chosen per activation from `ALPHAS`, by the error the quantized layers make on
+sampled calibration rows; a = 0 (no smoothing) is always a candidate, so smoothing never makes a
+layer's error worse than without it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -30,33 +41,210 @@ from llmc.errors import LlmcError
 from llmc.precision.calibration import TensorStats, observe, threshold
 from llmc.precision.linears import Linear
 
+ALPHAS = (0.0, 0.25, 0.5, 0.75, 0.9)
+SAMPLE_ROWS = 512  # calibration rows kept per activation to choose the smoothing strength on
+PER_TOKEN_ROLES = ("mlp.down",)
+PER_TOKEN_OPSET = 21  # blocked QuantizeLinear
 _NORMS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
 
 
+@dataclass
+class ActivationGroup:
+    """The linear layers reading one activation, and how it is quantized."""
+    input: str
+    layers: list[Linear]
+    per_token: bool
+    fold: tuple | None = None        # where smoothing folds 1/s: ("norm", node) or ("columns", matmul, start)
+    alpha: float = 0.0
+    smoothing: np.ndarray | None = None
+    threshold: float | None = None   # static scale's |x| limit; None for per-token
+    error: float = 0.0               # relative output error on the sampled rows, summed over layers
+
+    def summary(self) -> dict:
+        return {"layers": [l.name for l in self.layers], "scale": "per-token" if self.per_token else "static",
+                "smoothquant_alpha": self.alpha, "threshold": self.threshold}
+
+
 def quantize_int8(model: onnx.ModelProto, linears: list[Linear], windows: list[np.ndarray], calibrator: str,
-                  smoothquant: float | None = None,
-                  progress: Callable[[str], None] = lambda message: None) -> dict[str, float]:
-    """Calibrate and write Q/DQ for `linears` in place; returns each activation's threshold."""
-    if smoothquant is not None and not 0.0 < smoothquant < 1.0:
-        raise LlmcError(f"--smoothquant: alpha must be between 0 and 1, got {smoothquant}")
-    inputs = sorted({l.node.input[0] for l in linears})
-    if smoothquant is not None:
-        stats = observe(model, windows, inputs, histograms=False, progress=progress)
-        smoothed = smooth(model, linears, stats, smoothquant)
-        progress(f"smoothquant: {smoothed} normalization outputs smoothed (alpha {smoothquant})")
-    stats = observe(model, windows, inputs, histograms=calibrator != "minmax", progress=progress)
-    thresholds = {name: threshold(stats[name], calibrator) for name in inputs}
-    write_qdq(model, linears, thresholds)
-    return thresholds
+                  *, smoothquant: float | None = None, dynamic: bool = False,
+                  progress: Callable[[str], None] = lambda message: None) -> list[ActivationGroup]:
+    """Choose scales and write Q/DQ for `linears` in place; returns one entry per activation.
+
+    Args:
+        windows: calibration token windows; may be empty in the dynamic mode (no smoothing then).
+        calibrator: the static thresholds' calibrator (precision/calibration.py).
+        smoothquant: None searches `ALPHAS`; 0 turns smoothing off; a value in (0, 1) is the
+            only strength tried besides 0.
+        dynamic: per-token scales for every activation.
+    """
+    if smoothquant is not None and not 0.0 <= smoothquant < 1.0:
+        raise LlmcError(f"--smoothquant: alpha must be in [0, 1), got {smoothquant}")
+    groups = activation_groups(model, linears, dynamic)
+    if any(g.per_token for g in groups) and _opset(model) < PER_TOKEN_OPSET:
+        raise LlmcError(f"per-token int8 needs opset {PER_TOKEN_OPSET}; this graph imports opset "
+                        f"{_opset(model)} (compile at the default level, which fuses attention into opset 23)")
+    if not windows:
+        if not all(g.per_token for g in groups):
+            raise LlmcError("static int8 needs calibration data: give --int8-calib DIR")
+        write_qdq(model, [l for g in groups for l in g.layers], {g.input: None for g in groups})
+        return groups
+    names = [g.input for g in groups]
+    stats = observe(model, windows, names, histograms=False, sample_rows=SAMPLE_ROWS, progress=progress)
+    alphas = ALPHAS if smoothquant is None else (0.0, smoothquant) if smoothquant else (0.0,)
+    smoothed = choose_smoothing(model, groups, stats, alphas)
+    progress(f"smoothquant: {smoothed} of {len(groups)} activations smoothed")
+    if calibrator != "minmax" and any(not g.per_token for g in groups):  # histograms of the smoothed values
+        stats = observe(model, windows, names, histograms=True, progress=progress)
+    for g in groups:
+        if not g.per_token:
+            g.threshold = threshold(stats[g.input], calibrator)
+    write_qdq(model, [l for g in groups for l in g.layers], {g.input: g.threshold for g in groups})
+    return groups
 
 
-def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[str, float]) -> None:
-    """Insert the Q/DQ pairs and int8 weights (see the module docstring)."""
+def activation_groups(model: onnx.ModelProto, linears: list[Linear], dynamic: bool) -> list[ActivationGroup]:
+    """Group `linears` by input, with the place smoothing can fold into (if any)."""
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    weights = {t.name: t for t in graph.initializer}
+    readers: dict[str, list] = {}
+    for node in graph.node:
+        for i in node.input:
+            readers.setdefault(i, []).append(node)
+    by_input: dict[str, list[Linear]] = {}
+    for layer in linears:
+        by_input.setdefault(layer.node.input[0], []).append(layer)
+    groups = []
+    for name, layers in by_input.items():
+        per_token = dynamic or any(l.name.endswith(PER_TOKEN_ROLES) for l in layers)
+        fold = None
+        own_weights = all(len(readers.get(l.weight, [])) == 1 for l in layers)
+        if own_weights and len(readers[name]) == len(layers) and name in producer:
+            fold = _fold_site(producer[name], producer, readers, weights)
+        groups.append(ActivationGroup(name, layers, per_token, fold))
+    return groups
+
+
+def _fold_site(node, producer, readers, weights) -> tuple | None:
+    """Where 1/s can be folded so that `node`'s output is divided by s: a norm's scale, or the
+    up half of a gated MLP's (merged) projection."""
+    if node.op_type in _NORMS and len(node.input) > 1 and node.input[1] in weights:
+        return ("norm", node)
+    if node.op_type != "Mul":
+        return None
+    for operand in node.input:  # gate · up: the operand straight from a linear layer's output
+        source = producer.get(operand)
+        if source is None or len(readers[operand]) != 1:
+            continue
+        if source.op_type == "MatMul" and source.input[1] in weights:
+            matmul, start = source, 0
+        elif (source.op_type == "Split" and len(source.input) > 1 and source.input[1] in weights
+              and source.input[0] in producer and len(readers[source.input[0]]) == 1):
+            matmul = producer[source.input[0]]
+            sizes = tensor_array(weights[source.input[1]])
+            start = int(sum(sizes[:list(source.output).index(operand)]))
+            axis = next((a.i for a in source.attribute if a.name == "axis"), 0)
+            if matmul.op_type != "MatMul" or matmul.input[1] not in weights or axis not in (-1, 2):
+                continue
+        else:
+            continue
+        if len(readers[matmul.input[1]]) == 1:
+            return ("columns", matmul, start)
+    return None
+
+
+def choose_smoothing(model: onnx.ModelProto, groups: list[ActivationGroup], stats: dict[str, TensorStats],
+                     alphas: tuple[float, ...]) -> int:
+    """Pick each group's smoothing strength by its sampled output error and fold it in place;
+    returns how many activations were smoothed."""
+    weights = {t.name: t for t in model.graph.initializer}
+    count = 0
+    for g in groups:
+        ws = [tensor_array(weights[l.weight]).astype(np.float32) for l in g.layers]
+        s = stats[g.input]
+        x_max, rows = np.asarray(s.channel_absmax, np.float32), s.sample
+        w_max = np.max([np.abs(w).max(axis=1) for w in ws], axis=0)
+        best = None
+        for alpha in (alphas if g.fold is not None else (0.0,)):
+            scale = smoothing_scale(x_max, w_max, alpha)
+            error = output_error(rows, ws, scale, None if g.per_token else float((x_max / scale).max()))
+            if best is None or error < best[0]:
+                best = (error, alpha, scale)
+        g.error, g.alpha = best[0], best[1]
+        if g.alpha:
+            g.smoothing = best[2]
+            _fold(model, g, weights, ws)
+            stats[g.input].channel_absmax = x_max / g.smoothing
+            stats[g.input].absmax = float(stats[g.input].channel_absmax.max())
+            count += 1
+    read = {i for node in model.graph.node for i in node.input}
+    unread = [t for t in model.graph.initializer if t.name not in read]  # norm scales replaced by smoothed copies
+    for t in unread:
+        model.graph.initializer.remove(t)
+    return count
+
+
+def smoothing_scale(x_max: np.ndarray, w_max: np.ndarray, alpha: float) -> np.ndarray:
+    if alpha == 0.0:
+        return np.ones_like(x_max)
+    s = np.power(np.maximum(x_max, 1e-5), alpha) / np.power(np.maximum(w_max, 1e-5), 1 - alpha)
+    return np.clip(s, 1e-3, 1e3).astype(np.float32)
+
+
+def output_error(rows: np.ndarray, weights: list[np.ndarray], smoothing: np.ndarray, limit: float | None) -> float:
+    """Relative squared error of the quantized layers' outputs on `rows`, summed over the layers,
+    with x divided by `smoothing` and W's rows multiplied by it; `limit` is the static |x|
+    threshold, None for per-token scales."""
+    x = rows / smoothing
+    steps = (np.float32(limit) if limit is not None else np.abs(x).max(axis=1, keepdims=True)) / 127.0
+    steps = np.maximum(steps, 1e-12)
+    xq = np.clip(np.rint(x / steps), -127, 127) * steps
+    error = 0.0
+    for w in weights:
+        wq = quantize_weight(w * smoothing[:, None])[0]
+        exact = rows @ w
+        error += float(np.sum((xq @ wq - exact) ** 2) / max(np.sum(exact ** 2), 1e-30))
+    return error
+
+
+def quantize_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per output channel symmetric int8: (dequantized weight, codes, scales)."""
+    scale = (np.maximum(np.abs(weight).max(axis=0), 1e-8) / 127.0).astype(np.float32)
+    codes = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
+    return codes.astype(np.float32) * scale, codes, scale
+
+
+def _fold(model: onnx.ModelProto, group: ActivationGroup, weights: dict, layer_weights: list[np.ndarray]) -> None:
+    s = group.smoothing
+    kind, node = group.fold[0], group.fold[1]
+    if kind == "norm":
+        for index in range(1, min(len(node.input), 3)):  # the scale, and a LayerNorm's bias
+            if node.input[index] in weights:
+                own = f"{group.input}.smoothed.{index}"  # a copy: a norm's scale may be shared (deduplicated)
+                value = (tensor_array(weights[node.input[index]]).astype(np.float32) / s).astype(np.float32)
+                model.graph.initializer.append(numpy_helper.from_array(value, own))
+                weights[own] = model.graph.initializer[-1]
+                node.input[index] = own
+    else:
+        name, start = node.input[1], group.fold[2]
+        w = tensor_array(weights[name]).astype(np.float32).copy()
+        w[:, start:start + len(s)] /= s
+        weights[name].CopyFrom(numpy_helper.from_array(w, name))
+    for layer, w in zip(group.layers, layer_weights):
+        weights[layer.weight].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), layer.weight))
+
+
+def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[str, float | None]) -> None:
+    """Insert the Q/DQ pairs (per tensor for a threshold, per token for None) and int8 weights."""
     weights = {t.name: t for t in model.graph.initializer}
     added, nodes_before = [], {}
+    rows = {l.node.input[0]: tensor_array(weights[l.weight]).shape[0] for l in linears}
     for name, limit in thresholds.items():
-        scale = np.float32(max(limit, 1e-8) / 127.0)
         prefix = f"{name}.int8"
+        if limit is None:
+            nodes_before[name] = _per_token_qdq(name, prefix, rows[name], added)
+            continue
+        scale = np.float32(max(limit, 1e-8) / 127.0)
         added += [numpy_helper.from_array(np.array(scale, np.float32), f"{prefix}.scale"),
                   numpy_helper.from_array(np.array(0, np.int8), f"{prefix}.zero_point")]
         nodes_before[name] = [
@@ -70,12 +258,10 @@ def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[st
             readers[i] = readers.get(i, 0) + 1
     drop, dequantize = set(), []
     for layer in linears:
-        weight = tensor_array(weights[layer.weight]).astype(np.float32)
-        scale = np.maximum(np.abs(weight).max(axis=0), 1e-8) / 127.0
-        codes = np.clip(np.rint(weight / scale), -127, 127).astype(np.int8)
+        _, codes, scale = quantize_weight(tensor_array(weights[layer.weight]).astype(np.float32))
         prefix = f"{layer.name}.weight.int8"
         added += [numpy_helper.from_array(codes, f"{prefix}"),
-                  numpy_helper.from_array(scale.astype(np.float32), f"{prefix}.scale"),
+                  numpy_helper.from_array(scale, f"{prefix}.scale"),
                   numpy_helper.from_array(np.zeros(len(scale), np.int8), f"{prefix}.zero_point")]
         dequantize.append(helper.make_node("DequantizeLinear", [prefix, f"{prefix}.scale", f"{prefix}.zero_point"],
                                            [f"{prefix}.dq"], name=f"{prefix}/Dequantize", axis=1))
@@ -101,43 +287,24 @@ def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[st
     model.graph.initializer.extend(kept + added)
 
 
-def smooth(model: onnx.ModelProto, linears: list[Linear], stats: dict[str, TensorStats], alpha: float) -> int:
-    """Fold SmoothQuant scales into norms and weights where a norm's output feeds only linear
-    layers; returns how many norm outputs were smoothed."""
-    producer = {o: n for n in model.graph.node for o in n.output}
-    weights = {t.name: t for t in model.graph.initializer}
-    readers: dict[str, list] = {}
-    for node in model.graph.node:
-        for i in node.input:
-            readers.setdefault(i, []).append(node)
-    by_input: dict[str, list[Linear]] = {}
-    for layer in linears:
-        by_input.setdefault(layer.node.input[0], []).append(layer)
-    count = 0
-    for name, layers in by_input.items():
-        norm = producer.get(name)
-        if (norm is None or norm.op_type not in _NORMS or len(norm.input) < 2 or norm.input[1] not in weights
-                or len(readers[name]) != len(layers) or stats[name].channel_absmax is None
-                or sum(len(readers.get(w.weight, [])) for w in layers) != len(layers)):
-            continue
-        if len(readers[norm.input[1]]) > 1:  # a scale shared with other norms (deduplicated): own copy
-            own = numpy_helper.from_array(tensor_array(weights[norm.input[1]]), f"{name}.smoothed_scale")
-            model.graph.initializer.append(own)
-            weights[own.name] = model.graph.initializer[-1]
-            readers[norm.input[1]].remove(norm)
-            norm.input[1] = own.name
-            readers[own.name] = [norm]
-        ws = [tensor_array(weights[l.weight]).astype(np.float32) for l in layers]
-        w_max = np.max([np.abs(w).max(axis=1) for w in ws], axis=0)
-        x_max = stats[name].channel_absmax
-        s = np.power(np.maximum(x_max, 1e-5), alpha) / np.power(np.maximum(w_max, 1e-5), 1 - alpha)
-        s = np.clip(s, 1e-3, 1e3).astype(np.float32)
-        gamma = tensor_array(weights[norm.input[1]]).astype(np.float32)
-        weights[norm.input[1]].CopyFrom(numpy_helper.from_array((gamma / s).astype(np.float32), norm.input[1]))
-        if len(norm.input) > 2 and norm.input[2] in weights:  # LayerNorm's bias scales too
-            beta = tensor_array(weights[norm.input[2]]).astype(np.float32)
-            weights[norm.input[2]].CopyFrom(numpy_helper.from_array((beta / s).astype(np.float32), norm.input[2]))
-        for layer, w in zip(layers, ws):
-            weights[layer.weight].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), layer.weight))
-        count += 1
-    return count
+def _per_token_qdq(name: str, prefix: str, width: int, added: list) -> list[onnx.NodeProto]:
+    """Nodes computing each row's scale (max|x| / 127, at least a tiny floor so an all-zero row
+    stays zero) and the blocked Q/DQ pair over the last axis that uses it."""
+    added += [numpy_helper.from_array(np.array([-1], np.int64), f"{prefix}.axes"),
+              numpy_helper.from_array(np.array(1.0 / 127.0, np.float32), f"{prefix}.inv127"),
+              numpy_helper.from_array(np.array(1e-12, np.float32), f"{prefix}.floor")]
+    blocked = dict(axis=-1, block_size=width)
+    return [
+        helper.make_node("Abs", [name], [f"{prefix}.abs"], name=f"{prefix}/Abs"),
+        helper.make_node("ReduceMax", [f"{prefix}.abs", f"{prefix}.axes"], [f"{prefix}.max"], name=f"{prefix}/RowMax",
+                         keepdims=1),
+        helper.make_node("Mul", [f"{prefix}.max", f"{prefix}.inv127"], [f"{prefix}.step"], name=f"{prefix}/Step"),
+        helper.make_node("Max", [f"{prefix}.step", f"{prefix}.floor"], [f"{prefix}.scale"], name=f"{prefix}/Floor"),
+        helper.make_node("QuantizeLinear", [name, f"{prefix}.scale"], [f"{prefix}.q"], name=f"{prefix}/Quantize",
+                         output_dtype=onnx.TensorProto.INT8, **blocked),
+        helper.make_node("DequantizeLinear", [f"{prefix}.q", f"{prefix}.scale"], [f"{prefix}.dq"],
+                         name=f"{prefix}/Dequantize", **blocked)]
+
+
+def _opset(model: onnx.ModelProto) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)

@@ -70,10 +70,14 @@ def test_mixed_precision_file_assigns_layers_and_refuses_unknown_names(tiny_llam
 
 
 def test_conflicting_and_bad_options_are_refused(tiny_llama_onnx, tmp_path):
-    with pytest.raises(LlmcError, match="--int8-calib and --weights"):
+    with pytest.raises(LlmcError, match="--int8-calib, --int8-dynamic and --weights each set every linear layer"):
         check_options(PrecisionOptions(int8_calib="x", weights="int4"))
-    with pytest.raises(LlmcError, match="--smoothquant: alpha must be between 0 and 1"):
+    with pytest.raises(LlmcError, match="--int8-calib, --int8-dynamic and --weights"):
+        check_options(PrecisionOptions(int8_dynamic=True, weights="int8"))
+    with pytest.raises(LlmcError, match=r"--smoothquant: alpha must be in \[0, 1\)"):
         check_options(PrecisionOptions(smoothquant=1.5))
+    with pytest.raises(LlmcError, match="--int8-calib already names the data"):
+        check_options(PrecisionOptions(int8_calib="x", calib="y"))
     config = tmp_path / "mix.json"
     config.write_text(json.dumps({"default": "int8"}))
     with pytest.raises(LlmcError, match="int8 layers need calibration data"):
@@ -83,7 +87,8 @@ def test_conflicting_and_bad_options_are_refused(tiny_llama_onnx, tmp_path):
 @pytest.mark.parametrize("name, options, bound", [
     ("int8-percentile", PrecisionOptions(int8_calib=str(DATA / "pystdlib-text" / "calib"), calibrator="percentile",
                                          calib_tokens=1024), 1.5),
-    ("int4-weights", PrecisionOptions(weights="int4"), 5.0),
+    ("int4-weights", PrecisionOptions(weights="int4", calib=str(DATA / "pystdlib-text" / "calib"),
+                                      calib_tokens=1024), 5.0),
 ])
 def test_trained_model_perplexity_increase_within_the_benchmark_bound(trained_onnx, tmp_path, name, options, bound):
     engine = tmp_path / f"{name}.plan"
@@ -106,8 +111,10 @@ def test_compile_refuses_bad_calibration_input_and_leaves_no_engine(tiny_llama_o
     mix.write_text(json.dumps({"rules": {"layers.12.o": "int4"}}))
     cases = [(["--int8-calib", str(tmp_path / "missing")], "is not a folder"),
              (["--int8-calib", str(tmp_path / "latin1")], "a.txt: cannot be read"),
-             (["--int8-calib", str(tmp_path / "short"), "--calibrator", "entropy"], "needs at least 512"),
-             (["--weights", "int4", "--precision-config", str(mix)], "'layers.12.o' names no layer")]
+             (["--int8-calib", str(tmp_path / "short")], "the accuracy check holds back every 4th window"),
+             (["--int8-calib", str(tmp_path / "short"), "--calibrator", "entropy", "--force"], "needs at least 512"),
+             (["--weights", "int4"], "quantizing needs data to check the engine's accuracy on"),
+             (["--weights", "int4", "--force", "--precision-config", str(mix)], "'layers.12.o' names no layer")]
     for extra, message in cases:
         done = subprocess.run(["llmc", "compile", str(tiny_llama_onnx), "-o", str(engine), *extra],
                               capture_output=True, text=True)

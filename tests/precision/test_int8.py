@@ -1,5 +1,5 @@
-"""Static int8: calibrator thresholds by hand, Q/DQ placement, SmoothQuant keeping the float
-function, and the trained model's perplexity within the benchmark's bound."""
+"""int8: calibrator thresholds by hand, Q/DQ placement (static and per-token), per-token
+quantization against NumPy, SmoothQuant keeping the float function and never adding error."""
 
 import copy
 
@@ -13,7 +13,7 @@ from llmc.compiler.onnx_io import serialize
 from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import BINS, TensorStats, check_calibrator, entropy_bins, observe, prefill_feeds, threshold
-from llmc.precision.int8 import quantize_int8, smooth
+from llmc.precision.int8 import activation_groups, choose_smoothing, output_error, quantize_int8, write_qdq
 from llmc.precision.linears import linear_layers
 
 RNG = np.random.default_rng(0)
@@ -58,10 +58,13 @@ def test_qdq_placement(level2):
     model = copy.deepcopy(level2)
     linears = linear_layers(model)
     windows = [RNG.integers(3, 258, 32) for _ in range(2)]
-    thresholds = quantize_int8(model, linears, windows, "minmax")
+    groups = quantize_int8(model, linears, windows, "minmax")
     onnx.checker.check_model(model)
     producer = {o: n for n in model.graph.node for o in n.output}
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    per_token = {l.name for g in groups if g.per_token for l in g.layers}
+    assert per_token == {l.name for l in linears if l.name.endswith("mlp.down")} != set()
+    thresholds = {g.input: g.threshold for g in groups}
     for layer in linears:
         x, w = layer.node.input
         dq_w, dq_x = producer[w], producer[x]
@@ -70,23 +73,91 @@ def test_qdq_placement(level2):
         assert next(a.i for a in dq_w.attribute if a.name == "axis") == 1
         assert inits[dq_w.input[1]].shape == (inits[dq_w.input[0]].shape[1],)
         assert not inits[dq_w.input[2]].any()
-        # Activations: Q then DQ of the float input, per tensor, scale = threshold / 127, zero point 0.
         q = producer[dq_x.input[0]]
         assert (dq_x.op_type, q.op_type) == ("DequantizeLinear", "QuantizeLinear")
-        assert inits[q.input[1]].shape == () and inits[q.input[2]] == 0
-        assert inits[q.input[1]] == pytest.approx(thresholds[q.input[0]] / 127)
-    assert len(thresholds) == len({l.node.input[0] for l in linears})  # one pair per activation
+        if layer.name in per_token:  # scale computed from the row: blocked over the whole last axis
+            assert q.input[1] not in inits and producer[q.input[1]].op_type == "Max"
+            assert next(a.i for a in q.attribute if a.name == "block_size") == inits[w.replace(".dq", "")].shape[0]
+        else:  # per tensor, scale = threshold / 127, zero point 0
+            assert inits[q.input[1]].shape == () and inits[q.input[2]] == 0
+            assert inits[q.input[1]] == pytest.approx(thresholds[q.input[0]] / 127)
+    assert len(groups) == len({l.node.input[0] for l in linears})  # one pair per activation
+
+
+def test_per_token_quantization_matches_numpy(level2):
+    model = copy.deepcopy(level2)
+    layer = linear_layers(model)[0]
+    x_name = layer.node.input[0]
+    write_qdq(model, [layer], {x_name: None})
+    model.graph.output.extend([onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+                               for n in (x_name, f"{x_name}.int8.dq")])
+    session = ort.InferenceSession(serialize(model)["model.onnx"], providers=["CPUExecutionProvider"])
+    x, dq = session.run([x_name, f"{x_name}.int8.dq"], prefill_feeds(session, RNG.integers(3, 258, 24)))
+    step = np.abs(x).max(axis=-1, keepdims=True) / 127
+    np.testing.assert_allclose(dq, np.clip(np.rint(x / step), -127, 127) * step, rtol=1e-6, atol=1e-7)
+    assert np.abs(dq - x).max(axis=-1).max() <= 0.5 * step.max() * (1 + 1e-5)  # within half a step per row
+
+
+def test_dynamic_mode_needs_no_calibration(level2):
+    model = copy.deepcopy(level2)
+    groups = quantize_int8(model, linear_layers(model), [], "minmax", dynamic=True)
+    assert all(g.per_token and g.threshold is None for g in groups)
+    ids = RNG.integers(3, 258, 20)
+    exact, quantized = _logits(level2, ids), _logits(model, ids)
+    assert np.abs(quantized - exact).max() < 0.05 * np.abs(exact).max()
+    with pytest.raises(LlmcError, match="static int8 needs calibration data"):
+        quantize_int8(copy.deepcopy(level2), linear_layers(level2), [], "minmax")
+
+
+def _with_outlier_channel(level2, factor=64.0):
+    """level2 with one input channel of every norm-fed layer scaled up by `factor` in the norm and
+    down in the weights: the same float function, the outliers SmoothQuant exists for."""
+    model = copy.deepcopy(level2)
+    weights = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    for group in activation_groups(model, linear_layers(model), dynamic=False):
+        if group.fold is None or group.fold[0] != "norm":
+            continue
+        norm = producer[group.input]
+        gamma = numpy_helper.to_array(weights[norm.input[1]]).copy()
+        gamma[5] *= factor
+        own = f"{group.input}.outlier_gamma"
+        model.graph.initializer.append(numpy_helper.from_array(gamma, own))
+        norm.input[1] = own
+        for layer in group.layers:
+            w = numpy_helper.to_array(weights[layer.weight]).copy()
+            w[5] /= factor
+            weights[layer.weight].CopyFrom(numpy_helper.from_array(w, layer.weight))
+    return model
 
 
 def test_smoothquant_keeps_the_float_function(level2):
-    model = copy.deepcopy(level2)
-    linears = linear_layers(model)
-    names = sorted({l.node.input[0] for l in linears})
-    stats = observe(model, [RNG.integers(3, 258, 32)], names, histograms=False)
-    # Make one channel an outlier so the smoothing scales are far from 1.
-    for s in stats.values():
-        s.channel_absmax = s.channel_absmax.copy()
-        s.channel_absmax[3] *= 50
-    assert smooth(model, linears, stats, 0.5) == 2 * 4 + 1  # both norms of the 4 layers, and the final one
+    model = _with_outlier_channel(level2)
+    groups = activation_groups(model, linear_layers(model), dynamic=False)
+    names = [g.input for g in groups]
+    stats = observe(model, [RNG.integers(3, 258, 32)], names, histograms=False, sample_rows=32)
+    smoothed = choose_smoothing(model, groups, stats, alphas=(0.5,))  # forced: every foldable activation
+    assert smoothed == sum(g.fold is not None for g in groups) == 2 * 4 + 1 + 4  # norms of 4 layers, final norm, gate·up
     ids = RNG.integers(3, 258, 20)
     np.testing.assert_allclose(_logits(model, ids), _logits(level2, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_smoothquant_never_adds_error_and_helps_outliers(level2):
+    model = _with_outlier_channel(level2)
+    windows = [RNG.integers(3, 258, 64) for _ in range(4)]
+    ids = RNG.integers(3, 258, 48)
+    exact = _logits(model, ids)
+    errors = {}
+    for label, alpha in (("off", 0.0), ("searched", None)):
+        trial = copy.deepcopy(model)
+        groups = quantize_int8(trial, linear_layers(trial), windows, "minmax", smoothquant=alpha)
+        errors[label] = float(np.abs(_logits(trial, ids) - exact).mean())
+        if alpha is None:  # each activation's chosen strength is no worse than none, on its own rows
+            stats = observe(model, windows, [g.input for g in groups], histograms=False, sample_rows=512)
+            weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+            for g in groups:
+                rows, x_max = stats[g.input].sample, stats[g.input].channel_absmax
+                unsmoothed = output_error(rows, [weights[l.weight] for l in g.layers], np.ones_like(x_max),
+                                          None if g.per_token else float(x_max.max()))
+                assert g.error <= unsmoothed * (1 + 1e-6), g.input
+    assert errors["searched"] < 0.7 * errors["off"], errors

@@ -1,0 +1,149 @@
+"""The accuracy gate of `llmc compile`: no quantized engine is written silently worse than asked.
+
+A quarter of the calibration windows (every `HOLD_BACK`-th) is held back from calibration. After
+the precision rewrite, the rewritten graph and the float graph it came from both run on those
+windows in onnxruntime, and their next-token distributions are compared as `llmc check` does
+(perplexity increase, top-1 agreement, mean KL). Past `max_ppl_increase` percent the compile
+stops with one line naming the layers that add the most error, unless forced.
+
+A layer's added error is measured on the first held-back window: the relative error of its output
+(rewritten graph against float graph) minus that of its input, so error carried in from the layers
+above is not counted again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from llmc.compiler.onnx_io import serialize
+from llmc.errors import LlmcError
+from llmc.precision.calibration import prefill_feeds
+from llmc.precision.check import kl_divergence, log_softmax
+
+DEFAULT_MAX_PPL_INCREASE = 3.0  # percent
+HOLD_BACK = 4                   # every 4th calibration window is held back
+MIN_HELD_TOKENS = 256
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class GateReport:
+    tokens: int
+    reference_ppl: float
+    engine_ppl: float
+    ppl_increase_pct: float
+    top1_agreement: float
+    mean_kl: float
+    max_ppl_increase: float
+    passed: bool
+    forced: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def split(windows: list[np.ndarray], what: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(calibration, held back); refuses data too small to hold enough back."""
+    held = windows[HOLD_BACK - 1::HOLD_BACK]
+    tokens = sum(len(w) for w in held)
+    if tokens < MIN_HELD_TOKENS:
+        raise LlmcError(f"{what}: {sum(len(w) for w in windows)} tokens of data; the accuracy check holds back "
+                        f"every {HOLD_BACK}th window and needs {MIN_HELD_TOKENS} tokens there: give more text "
+                        f"(at least {HOLD_BACK * MIN_HELD_TOKENS} tokens) or --force to skip the check")
+    kept = [w for i, w in enumerate(windows) if i % HOLD_BACK != HOLD_BACK - 1]
+    return kept, held
+
+
+def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarray],
+                   layers: dict[str, tuple[str, str]], *, max_ppl_increase: float, force: bool,
+                   progress: Callable[[str], None] = lambda message: None) -> GateReport:
+    """Compare `model` (after the precision rewrite) with the float graph `reference` (its
+    serialized bytes) on the held-back windows; raise past the limit unless `force`.
+
+    Args:
+        layers: the rewritten linear layers, name → (input value, output value).
+    """
+    float_session = _session(reference, optimized=False)
+    quantized = _session(serialize(model)["model.onnx"], optimized=True)
+    nll_ref, nll_q, agree, kl = [], [], [], []
+    for window in held:
+        ref = log_softmax(float_session.run(["logits"], prefill_feeds(float_session, window))[0][0, :-1])
+        logits = quantized.run(["logits"], prefill_feeds(quantized, window))[0][0, :-1]
+        if not np.isfinite(logits).all():
+            raise LlmcError(f"accuracy: the engine's logits are not finite on held-back text: "
+                            f"{_overflow_hint(reference, window)}")
+        q = log_softmax(logits)
+        rows, targets = np.arange(len(window) - 1), window[1:]
+        nll_ref.append(-ref[rows, targets])
+        nll_q.append(-q[rows, targets])
+        agree.append(ref.argmax(-1) == q.argmax(-1))
+        kl.append(kl_divergence(ref, q))
+    ppl_ref, ppl_q = float(np.exp(np.concatenate(nll_ref).mean())), float(np.exp(np.concatenate(nll_q).mean()))
+    increase = 100.0 * (ppl_q / ppl_ref - 1.0)
+    report = GateReport(int(sum(len(w) - 1 for w in held)), ppl_ref, ppl_q, increase,
+                        float(np.concatenate(agree).mean()), float(np.concatenate(kl).mean()),
+                        max_ppl_increase, increase <= max_ppl_increase, force and increase > max_ppl_increase)
+    progress(f"accuracy on {report.tokens} held-back tokens: perplexity {increase:+.2f}% "
+             f"(limit {max_ppl_increase:g}%), top-1 agreement {report.top1_agreement:.3f}")
+    if not report.passed:
+        worst = ", ".join(f"{name} ({error:.1%})" for name, error in
+                          added_errors(reference, model, held[0], layers)[:3])
+        message = (f"accuracy: perplexity {increase:+.1f}% on {report.tokens} held-back calibration tokens exceeds "
+                   f"--max-ppl-increase {max_ppl_increase:g}%; layers adding the most error: {worst}")
+        if not force:
+            raise LlmcError(f"{message} (keep them in higher precision with --precision-config, "
+                            f"or --force to write the engine anyway)")
+        progress(f"warning: {message}; written anyway (--force)")
+    return report
+
+
+def added_errors(reference: bytes, model: onnx.ModelProto, window: np.ndarray,
+                 layers: dict[str, tuple[str, str]]) -> list[tuple[str, float]]:
+    """Each layer's output error minus its input error (relative L2, float graph as truth), largest first."""
+    values = sorted({v for pair in layers.values() for v in pair})
+    float_values = _run_with_outputs(reference, values, window)
+    quantized_values = _run_with_outputs(serialize(model)["model.onnx"], values, window)
+
+    def relative(name: str) -> float:
+        exact = float_values[name].astype(np.float64)
+        return float(np.linalg.norm(quantized_values[name] - exact) / max(np.linalg.norm(exact), 1e-30))
+
+    added = [(name, relative(out) - relative(inp)) for name, (inp, out) in layers.items()]
+    return sorted(added, key=lambda item: -item[1])
+
+
+def _run_with_outputs(model_bytes: bytes, names: list[str], window: np.ndarray) -> dict[str, np.ndarray]:
+    probe = onnx.load_from_string(model_bytes)
+    known = {o.name for o in probe.graph.output}
+    probe.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.UNDEFINED, None)
+                              for n in names if n not in known)
+    session = _session(probe.SerializeToString(), optimized=False)
+    return dict(zip(names, session.run(names, prefill_feeds(session, window))))
+
+
+def _overflow_hint(reference: bytes, window: np.ndarray) -> str:
+    """Which float values exceed fp16's range (the usual cause of non-finite fp16 logits)."""
+    model = onnx.load_from_string(reference)
+    names = [o for n in model.graph.node if n.op_type not in ("Shape", "Constant") for o in n.output if o]
+    values = _run_with_outputs(reference, names, window)
+    over = [(name, float(np.abs(v).max())) for name, v in values.items()
+            if np.issubdtype(v.dtype, np.floating) and v.size and np.abs(v).max() > FP16_MAX]
+    if not over:
+        return "no float value of the source graph exceeds fp16's range; compare with `llmc check` to find the layer"
+    named = ", ".join(f"{name} reaches {top:.3g}" for name, top in over[:3])
+    return (f"activations overflow fp16 ({named}; fp16 holds up to {FP16_MAX:g}): compile without --fp16, "
+            f"or keep the nodes computing them in fp32 with a --precision-config op-type rule")
+
+
+def _session(model_bytes: bytes, *, optimized: bool) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if not optimized:  # keep every value name, as the reference of `llmc check` does
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
