@@ -88,7 +88,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         if float_graph is not None:
             rewritten = {name: values for name, values in layers.items() if precision_entry["linears"][name] != "fp32"}
             accuracy = check_accuracy(float_graph, model, held_back, rewritten, max_ppl_increase=precision.max_ppl_increase,
-                                    force=precision.force, progress=progress)
+                                    force=precision.force, half=_fp16_values(model), progress=progress)
             precision_entry["accuracy"] = accuracy.to_dict()
         elif held_back:
             progress("accuracy not checked: the held-back comparison runs in memory, which models past 2 GB exceed")
@@ -128,6 +128,11 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if large:
         progress(f"wrote {output.name} ({output.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
     return manifest
+
+
+def _fp16_values(model: onnx.ModelProto) -> frozenset[str]:
+    """Values typed fp16 (the shapes were just inferred)."""
+    return frozenset(v.name for v in model.graph.value_info if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16)
 
 
 def _file_hash(path: Path) -> str:

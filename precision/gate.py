@@ -48,10 +48,13 @@ class GateReport:
         return asdict(self)
 
 
-def split(windows: list[np.ndarray], what: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(calibration, held back); refuses data too small to hold enough back."""
+def split(windows: list[np.ndarray], what: str, *, required: bool = True) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(calibration, held back); refuses data too small to hold enough back, unless the check is
+    not `required` (then nothing is held back)."""
     held = windows[HOLD_BACK - 1::HOLD_BACK]
     tokens = sum(len(w) for w in held)
+    if tokens < MIN_HELD_TOKENS and not required:
+        return windows, []
     if tokens < MIN_HELD_TOKENS:
         raise LlmcError(f"{what}: {sum(len(w) for w in windows)} tokens of data; the accuracy check holds back "
                         f"every {HOLD_BACK}th window and needs {MIN_HELD_TOKENS} tokens there: give more text "
@@ -62,13 +65,18 @@ def split(windows: list[np.ndarray], what: str) -> tuple[list[np.ndarray], list[
 
 def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarray],
                    layers: dict[str, tuple[str, str]], *, max_ppl_increase: float, force: bool,
+                   half: frozenset[str] = frozenset(),
                    progress: Callable[[str], None] = lambda message: None) -> GateReport:
     """Compare `model` (after the precision rewrite) with the float graph `reference` (its
     serialized bytes) on the held-back windows; raise past the limit unless `force`.
 
     Args:
         layers: the rewritten linear layers, name → (input value, output value).
+        half: the values `model` computes in fp16: those the float graph takes beyond fp16's range
+            are named. onnxruntime's CPU kernels often compute them in fp32 anyway, so the engine
+            may pass here and still overflow on a GPU: a warning when it passes.
     """
+    overflow = _overflow_hint(reference, held[0], half) if half else None
     float_session = _session(reference, optimized=False)
     quantized = _session(serialize(model)["model.onnx"], optimized=True)
     nll_ref, nll_q, agree, kl = [], [], [], []
@@ -76,8 +84,8 @@ def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarr
         ref = log_softmax(float_session.run(["logits"], prefill_feeds(float_session, window))[0][0, :-1])
         logits = quantized.run(["logits"], prefill_feeds(quantized, window))[0][0, :-1]
         if not np.isfinite(logits).all():
-            raise LlmcError(f"accuracy: the engine's logits are not finite on held-back text: "
-                            f"{_overflow_hint(reference, window)}")
+            raise LlmcError(f"accuracy: the engine's logits are not finite on held-back text"
+                            f"{'; ' + overflow if overflow else ''}")
         q = log_softmax(logits)
         rows, targets = np.arange(len(window) - 1), window[1:]
         nll_ref.append(-ref[rows, targets])
@@ -92,14 +100,16 @@ def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarr
     progress(f"accuracy on {report.tokens} held-back tokens: perplexity {increase:+.2f}% "
              f"(limit {max_ppl_increase:g}%), top-1 agreement {report.top1_agreement:.3f}")
     if not report.passed:
-        worst = ", ".join(f"{name} ({error:.1%})" for name, error in
-                          added_errors(reference, model, held[0], layers)[:3])
+        cause = overflow or "layers adding the most error: " + ", ".join(
+            f"{name} ({error:.1%})" for name, error in added_errors(reference, model, held[0], layers)[:3])
         message = (f"accuracy: perplexity {increase:+.1f}% on {report.tokens} held-back calibration tokens exceeds "
-                   f"--max-ppl-increase {max_ppl_increase:g}%; layers adding the most error: {worst}")
+                   f"--max-ppl-increase {max_ppl_increase:g}%; {cause}")
         if not force:
             raise LlmcError(f"{message} (keep them in higher precision with --precision-config, "
                             f"or --force to write the engine anyway)")
         progress(f"warning: {message}; written anyway (--force)")
+    elif overflow:
+        progress(f"warning: {overflow}")
     return report
 
 
@@ -121,24 +131,24 @@ def added_errors(reference: bytes, model: onnx.ModelProto, window: np.ndarray,
 def _run_with_outputs(model_bytes: bytes, names: list[str], window: np.ndarray) -> dict[str, np.ndarray]:
     probe = onnx.load_from_string(model_bytes)
     known = {o.name for o in probe.graph.output}
-    probe.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.UNDEFINED, None)
-                              for n in names if n not in known)
+    probe.graph.output.extend(helper.make_empty_tensor_value_info(n) for n in names if n not in known)  # any type
     session = _session(probe.SerializeToString(), optimized=False)
     return dict(zip(names, session.run(names, prefill_feeds(session, window))))
 
 
-def _overflow_hint(reference: bytes, window: np.ndarray) -> str:
-    """Which float values exceed fp16's range (the usual cause of non-finite fp16 logits)."""
+def _overflow_hint(reference: bytes, window: np.ndarray, half: frozenset[str]) -> str | None:
+    """Which of the `half` values exceed fp16's range in the float graph, and what to do; None
+    when none does. Fill values (float32's lowest, as in attention masks) saturate, not overflow."""
     model = onnx.load_from_string(reference)
-    names = [o for n in model.graph.node if n.op_type not in ("Shape", "Constant") for o in n.output if o]
+    names = [o for n in model.graph.node for o in n.output if o in half]
     values = _run_with_outputs(reference, names, window)
-    over = [(name, float(np.abs(v).max())) for name, v in values.items()
-            if np.issubdtype(v.dtype, np.floating) and v.size and np.abs(v).max() > FP16_MAX]
+    over = [(name, top) for name, v in values.items() if v.size
+            for top in [float(np.abs(v[np.abs(v) < 1e38]).max(initial=0.0))] if top > FP16_MAX]
     if not over:
-        return "no float value of the source graph exceeds fp16's range; compare with `llmc check` to find the layer"
+        return None
     named = ", ".join(f"{name} reaches {top:.3g}" for name, top in over[:3])
     return (f"activations overflow fp16 ({named}; fp16 holds up to {FP16_MAX:g}): compile without --fp16, "
-            f"or keep the nodes computing them in fp32 with a --precision-config op-type rule")
+            f"or keep the layers computing them in fp32 with a --precision-config rule")
 
 
 def _session(model_bytes: bytes, *, optimized: bool) -> ort.InferenceSession:

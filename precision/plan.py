@@ -146,7 +146,7 @@ def calibration_windows(options: PrecisionOptions, tokenizer, vocab_size: int,
     folder, what = options.data
     documents = read_documents(folder, tokenizer, vocab_size, what=what)
     pieces = windows(documents, min(CALIBRATION_WINDOW, max_positions), options.calib_tokens)
-    calibration, held = (pieces, []) if options.force else split(pieces, what)
+    calibration, held = split(pieces, what, required=not options.force)
     if options.int8_calib is not None:
         check_calibrator(options.calibrator, sum(len(p) for p in calibration))
     return calibration, held
