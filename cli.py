@@ -375,7 +375,8 @@ def check(engine_path, reference, data, window, max_tokens, generate, max_ppl_in
 @click.argument("onnx_file", type=click.Path(dir_okay=False))
 @click.option("--int8-calib", required=True, type=click.Path(), help="Calibration folder (.txt/.jsonl/.npy/.npz).")
 @click.option("--data", type=click.Path(), help="Evaluation folder (default: the calibration folder).")
-@click.option("--precision", "target", default="int8", show_default=True, help="int8, int8-weights or int4.")
+@click.option("--precision", "target", default="int8", show_default=True,
+              help="int8, int8-dynamic, int8-weights or int4.")
 @click.option("--calibrator", default="minmax", show_default=True, help="minmax, percentile or entropy.")
 @click.option("--tokens", default=1024, show_default=True, type=int, help="Tokens of each folder used at most.")
 @click.option("--accuracy-budget", type=float, default=None,
@@ -413,10 +414,11 @@ def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accurac
     if as_json:
         click.echo(json.dumps({"target": target, "ranking": result.ranking, "kept_fp32": result.kept_fp32,
                                "ppl_fp32": result.ppl_fp32, "ppl_quantized": result.ppl_quantized,
-                               "ppl_increase_pct": result.ppl_increase_pct, "config": result.config}))
+                               "ppl_increase_pct": result.ppl_increase_pct, "config": result.config,
+                               "seconds": round(result.seconds, 1)}))
         return
     click.echo(f"{'layer':<24} mean KL when only it is {target}")
     click.echo("\n".join(f"{name:<24} {kl:.3e}" for name, kl in result.ranking))
     kept = f", {len(result.kept_fp32)} kept in fp32 ({', '.join(result.kept_fp32)})" if result.kept_fp32 else ""
     click.echo(f"all {target}{kept}: perplexity {result.ppl_fp32:.4f} → {result.ppl_quantized:.4f} "
-               f"({result.ppl_increase_pct:+.3f}%)" + (f"; wrote {output}" if output else ""))
+               f"({result.ppl_increase_pct:+.3f}%) in {result.seconds:.0f} s" + (f"; wrote {output}" if output else ""))

@@ -77,6 +77,17 @@ def quantize_int8(model: onnx.ModelProto, linears: list[Linear], windows: list[n
             only strength tried besides 0.
         dynamic: per-token scales for every activation.
     """
+    groups = choose_scales(model, linears, windows, calibrator, smoothquant=smoothquant, dynamic=dynamic,
+                           progress=progress)
+    write_qdq(model, [l for g in groups for l in g.layers], {g.input: g.threshold for g in groups})
+    return groups
+
+
+def choose_scales(model: onnx.ModelProto, linears: list[Linear], windows: list[np.ndarray], calibrator: str,
+                  *, smoothquant: float | None = None, dynamic: bool = False,
+                  progress: Callable[[str], None] = lambda message: None) -> list[ActivationGroup]:
+    """Everything `quantize_int8` does but writing Q/DQ: smoothing is folded into `model` (the
+    float function is unchanged) and each group gets its threshold (None: per token)."""
     if smoothquant is not None and not 0.0 <= smoothquant < 1.0:
         raise LlmcError(f"--smoothquant: alpha must be in [0, 1), got {smoothquant}")
     groups = activation_groups(model, linears, dynamic)
@@ -86,7 +97,6 @@ def quantize_int8(model: onnx.ModelProto, linears: list[Linear], windows: list[n
     if not windows:
         if not all(g.per_token for g in groups):
             raise LlmcError("static int8 needs calibration data: give --int8-calib DIR")
-        write_qdq(model, [l for g in groups for l in g.layers], {g.input: None for g in groups})
         return groups
     names = [g.input for g in groups]
     stats = observe(model, windows, names, histograms=False, sample_rows=SAMPLE_ROWS, progress=progress)
@@ -98,7 +108,6 @@ def quantize_int8(model: onnx.ModelProto, linears: list[Linear], windows: list[n
     for g in groups:
         if not g.per_token:
             g.threshold = threshold(stats[g.input], calibrator)
-    write_qdq(model, [l for g in groups for l in g.layers], {g.input: g.threshold for g in groups})
     return groups
 
 

@@ -6,13 +6,15 @@ the layers. With an accuracy budget, every layer is quantized, and the most sens
 back to fp32 one at a time until the perplexity increase is within the budget; the result is a
 mixed-precision file for `llmc compile --precision-config`.
 
-int8 uses one calibration of every layer's input (the ranges do not depend on which other layers
-are quantized: activations are calibrated on the fp32 graph).
+int8 and int8-dynamic quantize as `llmc compile` does (precision/int8.py): smoothing and scales
+are chosen once, on the fp32 graph, so they do not depend on which other layers are quantized;
+lm_head gets int8 weights only, by compile's rule (precision/plan.py).
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,13 +24,13 @@ import onnxruntime as ort
 
 from llmc.compiler.onnx_io import serialize
 from llmc.errors import LlmcError
-from llmc.precision.calibration import observe, prefill_feeds, threshold
+from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import kl_divergence, log_softmax
-from llmc.precision.int8 import write_qdq
+from llmc.precision.int8 import choose_scales, write_qdq
 from llmc.precision.linears import linear_layers
 from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE, quantize_weights
 
-TARGETS = ("int8", "int8-weights", "int4")
+TARGETS = ("int8", "int8-dynamic", "int8-weights", "int4")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Sensitivity:
     ppl_quantized: float                    # with every layer but `kept_fp32` quantized
     ppl_increase_pct: float
     config: dict                            # the mixed-precision file
+    seconds: float                          # how long the analysis took
 
 
 class _Evaluator:
@@ -65,26 +68,30 @@ def analyze(model: onnx.ModelProto, target: str, calibration: list[np.ndarray], 
     """Rank the linear layers of an optimized (level-2) graph; see the module docstring."""
     if target not in TARGETS:
         raise LlmcError(f"--precision: '{target}' is not one of {', '.join(TARGETS)}")
+    began = time.perf_counter()
     linears = linear_layers(model)
     if not linears:
         raise LlmcError("sensitivity: the graph has no linear layer (MatMul by a weight)")
-    thresholds = {}
-    if target == "int8":
-        inputs = sorted({l.node.input[0] for l in linears})
-        stats = observe(model, calibration, inputs, histograms=calibrator != "minmax", progress=progress)
-        thresholds = {name: threshold(stats[name], calibrator) for name in inputs}
+    base, thresholds = model, {}
+    if target.startswith("int8") and target != "int8-weights":
+        base = copy.deepcopy(model)  # smoothing folds into it; its float function stays the model's
+        activations = [l for l in linear_layers(base) if l.name != "lm_head"]
+        groups = choose_scales(base, activations, calibration, calibrator, dynamic=target == "int8-dynamic",
+                               progress=progress)
+        thresholds = {g.input: g.threshold for g in groups}
     evaluator = _Evaluator(evaluation)
     reference = evaluator.log_probs(model)
     ppl_fp32 = evaluator.perplexity(reference)
 
     def quantized(names: set[str]) -> onnx.ModelProto:
-        trial = copy.deepcopy(model)
+        trial = copy.deepcopy(base)
         chosen = [l for l in linear_layers(trial) if l.name in names]
-        if target == "int8":
-            write_qdq(trial, chosen, {l.node.input[0]: thresholds[l.node.input[0]] for l in chosen})
-        else:
-            ids = {id(l.node) for l in chosen}
-            quantize_weights(trial, 4 if target == "int4" else 8, DEFAULT_BLOCK_SIZE, select=lambda n: id(n) in ids)
+        activations = [l for l in chosen if l.node.input[0] in thresholds]
+        if activations:
+            write_qdq(trial, activations, {l.node.input[0]: thresholds[l.node.input[0]] for l in activations})
+        weight_only = {id(l.node) for l in chosen if l.node.input[0] not in thresholds}
+        if weight_only:
+            quantize_weights(trial, 4 if target == "int4" else 8, DEFAULT_BLOCK_SIZE, select=lambda n: id(n) in weight_only)
         return trial
 
     scores = []
@@ -95,16 +102,28 @@ def analyze(model: onnx.ModelProto, target: str, calibration: list[np.ndarray], 
         scores.append((layer.name, float(kl)))
     ranking = sorted(scores, key=lambda item: -item[1])
 
-    kept: list[str] = []
-    everything = {l.name for l in linears}
-    ppl = evaluator.perplexity(evaluator.log_probs(quantized(everything)))
-    if budget_pct is not None:
-        for name, _ in ranking:
-            if 100.0 * (ppl / ppl_fp32 - 1.0) <= budget_pct:
-                break
-            kept.append(name)
-            progress(f"budget: {name} back to fp32")
-            ppl = evaluator.perplexity(evaluator.log_probs(quantized(everything - set(kept))))
-    config = {"default": target, "rules": dict.fromkeys(kept, "fp32")}
-    return Sensitivity(ranking, kept, ppl_fp32, ppl, 100.0 * (ppl / ppl_fp32 - 1.0), config)
+    everything = [l.name for l in linears]
+    spared_by_rank = [name for name, _ in ranking]
+    ppls = {0: evaluator.perplexity(evaluator.log_probs(quantized(set(everything))))}
 
+    def within(spared: int) -> bool:  # the `spared` most sensitive layers back in fp32
+        if spared not in ppls:
+            progress(f"budget: {len(everything) - spared} of {len(everything)} layers quantized")
+            ppls[spared] = evaluator.perplexity(evaluator.log_probs(quantized(set(spared_by_rank[spared:]))))
+        return 100.0 * (ppls[spared] / ppl_fp32 - 1.0) <= budget_pct
+
+    spared = 0
+    if budget_pct is not None and not within(0):
+        # Fewest spared layers that meet the budget, by bisection over the ranking (the error
+        # falls as layers are spared worst first; every layer spared is fp32, within any budget).
+        low, high = 0, len(ranking)
+        ppls[high] = ppl_fp32
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if within(middle) else (middle, high)
+        spared = high
+    kept = spared_by_rank[:spared]
+    ppl = ppls[spared]
+    config = {"default": target, "rules": dict.fromkeys(kept, "fp32")}
+    return Sensitivity(ranking, kept, ppl_fp32, ppl, 100.0 * (ppl / ppl_fp32 - 1.0), config,
+                       time.perf_counter() - began)
