@@ -22,7 +22,7 @@ from llmc.compiler.engine_checks import check_against_source, check_engine_graph
 from llmc.compiler.engine_file import write_engine
 from llmc.compiler.onnx_io import is_large, load_onnx, serialize, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
-from llmc.precision.gate import check_accuracy
+from llmc.precision.gate import check_accuracy, general_text_windows
 from llmc.precision.linears import linear_layers
 from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, refresh_shapes, resolve
@@ -88,7 +88,9 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         if float_graph is not None:
             rewritten = {name: values for name, values in layers.items() if precision_entry["linears"][name] != "fp32"}
             accuracy = check_accuracy(float_graph, model, held_back, rewritten, max_ppl_increase=precision.max_ppl_increase,
-                                    force=precision.force, half=_fp16_values(model), progress=progress)
+                                    force=precision.force, half=_fp16_values(model),
+                                    general_windows=general_text_windows(tok, g.vocab_size, g.max_positions),
+                                    progress=progress)
             precision_entry["accuracy"] = accuracy.to_dict()
         elif held_back:
             progress("accuracy not checked: the held-back comparison runs in memory, which models past 2 GB exceed")

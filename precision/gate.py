@@ -6,6 +6,11 @@ windows in onnxruntime, and their next-token distributions are compared as `llmc
 (perplexity increase, top-1 agreement, mean KL). Past `max_ppl_increase` percent the compile
 stops with one line naming the layers that add the most error, unless forced.
 
+Held-back data shares the calibration data's domain, so it cannot show calibration that is
+narrower than the traffic (another language, only code). The engine is also measured on a short
+general text shipped with llmc (`GENERAL_TEXT`: prose and Python); past the limit there while the
+held-back data passes, the compile warns that the calibration data may be too narrow.
+
 A layer's added error is measured on the first held-back window: the relative error of its output
 (rewritten graph against float graph) minus that of its input, so error carried in from the layers
 above is not counted again.
@@ -14,6 +19,7 @@ above is not counted again.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -25,11 +31,13 @@ from llmc.compiler.onnx_io import serialize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import kl_divergence, log_softmax
+from llmc.precision.data import windows
 
 DEFAULT_MAX_PPL_INCREASE = 3.0  # percent
 HOLD_BACK = 4                   # every 4th calibration window is held back
 MIN_HELD_TOKENS = 256
 FP16_MAX = 65504.0
+GENERAL_TEXT = Path(__file__).resolve().parent / "text" / "general.txt"
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class GateReport:
     max_ppl_increase: float
     passed: bool
     forced: bool
+    general_text_ppl_increase_pct: float | None  # on GENERAL_TEXT, when a tokenizer was given
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,15 +72,25 @@ def split(windows: list[np.ndarray], what: str, *, required: bool = True) -> tup
     return kept, held
 
 
+def general_text_windows(tokenizer, vocab_size: int, max_positions: int) -> list[np.ndarray]:
+    """`GENERAL_TEXT` cut into windows like the calibration data's (tokens past the vocabulary,
+    which a model with a smaller one than its tokenizer cannot take, leave it out)."""
+    ids = np.asarray(tokenizer.encode(GENERAL_TEXT.read_text(encoding="utf-8")), np.int64)
+    if not ids.size or ids.max() >= vocab_size:
+        return []
+    return windows([ids], min(256, max_positions), 1024)
+
+
 def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarray],
                    layers: dict[str, tuple[str, str]], *, max_ppl_increase: float, force: bool,
-                   half: frozenset[str] = frozenset(),
+                   half: frozenset[str] = frozenset(), general_windows: list[np.ndarray] = (),
                    progress: Callable[[str], None] = lambda message: None) -> GateReport:
     """Compare `model` (after the precision rewrite) with the float graph `reference` (its
     serialized bytes) on the held-back windows; raise past the limit unless `force`.
 
     Args:
         layers: the rewritten linear layers, name → (input value, output value).
+        general_windows: `GENERAL_TEXT` in the model's tokens (see the module docstring).
         half: the values `model` computes in fp16: those the float graph takes beyond fp16's range
             are named. onnxruntime's CPU kernels often compute them in fp32 anyway, so the engine
             may pass here and still overflow on a GPU: a warning when it passes.
@@ -79,8 +98,34 @@ def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarr
     overflow = _overflow_hint(reference, held[0], half) if half else None
     float_session = _session(reference, optimized=False)
     quantized = _session(serialize(model)["model.onnx"], optimized=True)
+    tokens, (ppl_ref, ppl, increase), top1, kl = _compare(float_session, quantized, held, overflow)
+    general = _compare(float_session, quantized, general_windows, overflow)[1][2] if len(general_windows) else None
+    report = GateReport(tokens, ppl_ref, ppl, increase, top1, kl, max_ppl_increase, increase <= max_ppl_increase,
+                        force and increase > max_ppl_increase, general)
+    progress(f"accuracy on {tokens} held-back tokens: perplexity {increase:+.2f}% (limit {max_ppl_increase:g}%), "
+             f"top-1 agreement {top1:.3f}" + (f"; on llmc's general text {general:+.2f}%" if general is not None else ""))
+    if not report.passed:
+        cause = overflow or "layers adding the most error: " + ", ".join(
+            f"{name} ({error:.1%})" for name, error in added_errors(reference, model, held[0], layers)[:3])
+        message = (f"accuracy: perplexity {increase:+.1f}% on {report.tokens} held-back calibration tokens exceeds "
+                   f"--max-ppl-increase {max_ppl_increase:g}%; {cause}")
+        if not force:
+            raise LlmcError(f"{message} (keep them in higher precision with --precision-config, "
+                            f"or --force to write the engine anyway)")
+        progress(f"warning: {message}; written anyway (--force)")
+    elif overflow:
+        progress(f"warning: {overflow}")
+    if report.passed and general is not None and general > max_ppl_increase:
+        progress(f"warning: on llmc's general text (prose and Python) perplexity rises {general:+.1f}%, past "
+                 f"{max_ppl_increase:g}%, while the held-back calibration data passes: the calibration data may be "
+                 f"narrower than your traffic; calibrate on text like it and confirm with `llmc check --data`")
+    return report
+
+
+def _compare(float_session, quantized, windows: list[np.ndarray], overflow: str | None):
+    """(tokens, (reference ppl, engine ppl, increase %), top-1 agreement, mean KL) over `windows`."""
     nll_ref, nll_q, agree, kl = [], [], [], []
-    for window in held:
+    for window in windows:
         ref = log_softmax(float_session.run(["logits"], prefill_feeds(float_session, window))[0][0, :-1])
         logits = quantized.run(["logits"], prefill_feeds(quantized, window))[0][0, :-1]
         if not np.isfinite(logits).all():
@@ -93,24 +138,8 @@ def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarr
         agree.append(ref.argmax(-1) == q.argmax(-1))
         kl.append(kl_divergence(ref, q))
     ppl_ref, ppl_q = float(np.exp(np.concatenate(nll_ref).mean())), float(np.exp(np.concatenate(nll_q).mean()))
-    increase = 100.0 * (ppl_q / ppl_ref - 1.0)
-    report = GateReport(int(sum(len(w) - 1 for w in held)), ppl_ref, ppl_q, increase,
-                        float(np.concatenate(agree).mean()), float(np.concatenate(kl).mean()),
-                        max_ppl_increase, increase <= max_ppl_increase, force and increase > max_ppl_increase)
-    progress(f"accuracy on {report.tokens} held-back tokens: perplexity {increase:+.2f}% "
-             f"(limit {max_ppl_increase:g}%), top-1 agreement {report.top1_agreement:.3f}")
-    if not report.passed:
-        cause = overflow or "layers adding the most error: " + ", ".join(
-            f"{name} ({error:.1%})" for name, error in added_errors(reference, model, held[0], layers)[:3])
-        message = (f"accuracy: perplexity {increase:+.1f}% on {report.tokens} held-back calibration tokens exceeds "
-                   f"--max-ppl-increase {max_ppl_increase:g}%; {cause}")
-        if not force:
-            raise LlmcError(f"{message} (keep them in higher precision with --precision-config, "
-                            f"or --force to write the engine anyway)")
-        progress(f"warning: {message}; written anyway (--force)")
-    elif overflow:
-        progress(f"warning: {overflow}")
-    return report
+    return (int(sum(len(w) - 1 for w in windows)), (ppl_ref, ppl_q, 100.0 * (ppl_q / ppl_ref - 1.0)),
+            float(np.concatenate(agree).mean()), float(np.concatenate(kl).mean()))
 
 
 def added_errors(reference: bytes, model: onnx.ModelProto, window: np.ndarray,

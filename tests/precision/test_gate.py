@@ -1,6 +1,7 @@
 """The accuracy gate of `llmc compile`: a quantized engine past --max-ppl-increase is refused with
 one line naming layers, --force writes it with the figures recorded, the figures agree with
-`llmc check` on the same held-back windows, and values that overflow fp16 are named."""
+`llmc check` on the same held-back windows, values that overflow fp16 are named, and calibration
+narrower than general text is warned of."""
 
 import json
 import subprocess
@@ -94,3 +95,17 @@ def test_fp16_overflow_is_named(trained_onnx, tmp_path):
     warning = next(line for line in done.stderr.splitlines() if "warning" in line)
     assert "activations overflow fp16" in warning and "reaches" in warning and "compile without --fp16" in warning
     assert "3.4e+38" not in warning  # attention masks' fill values saturate; they are not named
+
+
+def test_calibration_narrower_than_general_text_is_warned(trained_onnx, tmp_path):
+    narrow = tmp_path / "numbers"
+    narrow.mkdir()
+    (narrow / "n.txt").write_text(" ".join(str(i % 100) for i in range(3000)))
+    engine = tmp_path / "int8.plan"
+    done = _compile(_outlier_model(trained_onnx, tmp_path / "outlier.onnx"), engine, "--int8-calib", str(narrow),
+                    "--smoothquant", "0", "--max-ppl-increase", "10", tokens=2048)
+    assert done.returncode == 0, done.stderr
+    accuracy = read_manifest(engine)["precision"]["accuracy"]
+    assert accuracy["passed"] and accuracy["general_text_ppl_increase_pct"] > 10 > accuracy["ppl_increase_pct"]
+    warning = next(line for line in done.stderr.splitlines() if "warning" in line)
+    assert "on llmc's general text" in warning and "narrower than your traffic" in warning
