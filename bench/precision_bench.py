@@ -90,10 +90,14 @@ VARIANTS = {name: options(**fields) for name, fields in {
 SMOLLM2_VARIANTS = {
     "fp32": dict(),
     "fp16": dict(fp16=True),
-    "int8-minmax": dict(int8_calib=str(CALIB)),
-    "int8-minmax-smoothquant": dict(int8_calib=str(CALIB), smoothquant=0.5),
+    "int8": dict(int8_calib=str(CALIB)),
+    "int8-smoothquant-off": dict(int8_calib=str(CALIB), smoothquant=0.0),
+    "int8-percentile": dict(int8_calib=str(CALIB), calibrator="percentile"),
+    "int8-dynamic-nodata": dict(int8_dynamic=True),
+    "int8-dynamic-smoothed": dict(int8_dynamic=True, calib=str(CALIB)),
     "int8-weights": dict(weights="int8"),
-    "int4-weights": dict(weights="int4"),
+    "int4-weights-nodata": dict(weights="int4"),
+    "int4-weights": dict(weights="int4", calib=str(CALIB)),
 }
 # onnxruntime.quantization on llmc's level-2 graph: name → (quantizer, its keyword arguments).
 SMOLLM2_ORT = {
