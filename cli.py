@@ -381,9 +381,11 @@ def check(engine_path, reference, data, window, max_tokens, generate, max_ppl_in
 @click.option("--tokens", default=1024, show_default=True, type=int, help="Tokens of each folder used at most.")
 @click.option("--accuracy-budget", type=float, default=None,
               help="Largest perplexity increase (percent): spare the most sensitive layers until it holds.")
+@click.option("--exhaustive", is_flag=True, help="Rank by quantizing each layer alone (one evaluation per layer) "
+              "instead of each layer's added error in one run.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the mixed-precision file here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accuracy_budget, output, as_json):
+def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accuracy_budget, exhaustive, output, as_json):
     """Rank linear layers by the error quantizing each alone causes; fit an accuracy budget."""
     from llmc.compiler.build import find_tokenizer
     from llmc.compiler.decoder_interface import recognize_decoder
@@ -408,7 +410,7 @@ def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accurac
     _progress(f"optimizing {len(model.graph.node)} nodes")
     model, _ = optimize(model)
     result = analyze(model, target, calibration, evaluation, calibrator=calibrator, budget_pct=accuracy_budget,
-                     progress=_progress)
+                     exhaustive=exhaustive, progress=_progress)
     if output:
         write_text_atomic(output, json.dumps(result.config, indent=2) + "\n")
     if as_json:
@@ -417,7 +419,7 @@ def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accurac
                                "ppl_increase_pct": result.ppl_increase_pct, "config": result.config,
                                "seconds": round(result.seconds, 1)}))
         return
-    click.echo(f"{'layer':<24} mean KL when only it is {target}")
+    click.echo(f"{'layer':<24} " + (f"mean KL when only it is {target}" if exhaustive else f"added error as {target}"))
     click.echo("\n".join(f"{name:<24} {kl:.3e}" for name, kl in result.ranking))
     kept = f", {len(result.kept_fp32)} kept in fp32 ({', '.join(result.kept_fp32)})" if result.kept_fp32 else ""
     click.echo(f"all {target}{kept}: perplexity {result.ppl_fp32:.4f} → {result.ppl_quantized:.4f} "

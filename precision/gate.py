@@ -13,7 +13,7 @@ held-back data passes, the compile warns that the calibration data may be too na
 
 A layer's added error is measured on the first held-back window: the relative error of its output
 (rewritten graph against float graph) minus that of its input, so error carried in from the layers
-above is not counted again.
+above is not counted again (`added_errors`, which `llmc sensitivity` ranks layers by too).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarr
              f"top-1 agreement {top1:.3f}" + (f"; on llmc's general text {general:+.2f}%" if general is not None else ""))
     if not report.passed:
         cause = overflow or "layers adding the most error: " + ", ".join(
-            f"{name} ({error:.1%})" for name, error in added_errors(reference, model, held[0], layers)[:3])
+            f"{name} ({error:.1%})" for name, error in added_errors(reference, model, held[:1], layers)[:3])
         message = (f"accuracy: perplexity {increase:+.1f}% on {report.tokens} held-back calibration tokens exceeds "
                    f"--max-ppl-increase {max_ppl_increase:g}%; {cause}")
         if not force:
@@ -142,18 +142,23 @@ def _compare(float_session, quantized, windows: list[np.ndarray], overflow: str 
             float(np.concatenate(agree).mean()), float(np.concatenate(kl).mean()))
 
 
-def added_errors(reference: bytes, model: onnx.ModelProto, window: np.ndarray,
+def added_errors(reference: bytes, model: onnx.ModelProto, windows: list[np.ndarray],
                  layers: dict[str, tuple[str, str]]) -> list[tuple[str, float]]:
-    """Each layer's output error minus its input error (relative L2, float graph as truth), largest first."""
+    """Each layer's output error minus its input error (relative L2, the float graph as truth),
+    largest first. The input's error is taken after the best per-channel rescaling: SmoothQuant
+    divides a layer's input by a per-channel scale, which is not an error."""
     values = sorted({v for pair in layers.values() for v in pair})
-    float_values = _run_with_outputs(reference, values, window)
-    quantized_values = _run_with_outputs(serialize(model)["model.onnx"], values, window)
+    runs = [(_run_with_outputs(reference, values, w), _run_with_outputs(serialize(model)["model.onnx"], values, w))
+            for w in windows]
 
-    def relative(name: str) -> float:
-        exact = float_values[name].astype(np.float64)
-        return float(np.linalg.norm(quantized_values[name] - exact) / max(np.linalg.norm(exact), 1e-30))
+    def error(name: str, rescale: bool) -> float:
+        exact = np.concatenate([f[name].reshape(-1, f[name].shape[-1]) for f, _ in runs]).astype(np.float64)
+        got = np.concatenate([q[name].reshape(-1, q[name].shape[-1]) for _, q in runs]).astype(np.float64)
+        if rescale:  # exact · c per channel, c fitted by least squares
+            exact = exact * ((exact * got).sum(0) / np.maximum((exact * exact).sum(0), 1e-30))
+        return float(np.linalg.norm(got - exact) / max(np.linalg.norm(exact), 1e-30))
 
-    added = [(name, relative(out) - relative(inp)) for name, (inp, out) in layers.items()]
+    added = [(name, error(out, False) - error(inp, True)) for name, (inp, out) in layers.items()]
     return sorted(added, key=lambda item: -item[1])
 
 

@@ -1,8 +1,11 @@
 """`llmc sensitivity`: which linear layers suffer most from quantization, and which to spare.
 
-Each linear layer is quantized alone (the rest stays fp32) and the graph's next-token
-distributions on the evaluation windows are compared with fp32's: the mean KL divergence ranks
-the layers. With an accuracy budget, every layer is quantized, and the most sensitive ones go
+Ranking: every layer is quantized and each layer's added error is measured in one run against
+the fp32 graph (its output's relative error minus its input's: precision/gate.py). With
+`exhaustive`, each linear layer is instead quantized alone (the rest stays fp32) and the graph's
+next-token distributions on the evaluation windows are compared with fp32's: the mean KL
+divergence ranks the layers; one evaluation per layer, so minutes per hundred layers on a small
+model. With an accuracy budget, every layer is quantized, and the most sensitive ones go
 back to fp32 one at a time until the perplexity increase is within the budget; the result is a
 mixed-precision file for `llmc compile --precision-config`.
 
@@ -26,6 +29,7 @@ from llmc.compiler.onnx_io import serialize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import kl_divergence, log_softmax
+from llmc.precision.gate import added_errors
 from llmc.precision.int8 import choose_scales, write_qdq
 from llmc.precision.linears import linear_layers
 from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE, quantize_weights
@@ -35,7 +39,8 @@ TARGETS = ("int8", "int8-dynamic", "int8-weights", "int4")
 
 @dataclass(frozen=True)
 class Sensitivity:
-    ranking: list[tuple[str, float]]        # (layer, mean KL when only it is quantized), worst first
+    ranking: list[tuple[str, float]]        # (layer, its added error, or with `exhaustive` the mean KL
+                                            # when only it is quantized), worst first
     kept_fp32: list[str]                    # layers spared to meet the budget (empty without one)
     ppl_fp32: float
     ppl_quantized: float                    # with every layer but `kept_fp32` quantized
@@ -63,7 +68,7 @@ class _Evaluator:
 
 
 def analyze(model: onnx.ModelProto, target: str, calibration: list[np.ndarray], evaluation: list[np.ndarray], *,
-            calibrator: str = "minmax", budget_pct: float | None = None,
+            calibrator: str = "minmax", budget_pct: float | None = None, exhaustive: bool = False,
             progress: Callable[[str], None] = lambda message: None) -> Sensitivity:
     """Rank the linear layers of an optimized (level-2) graph; see the module docstring."""
     if target not in TARGETS:
@@ -94,15 +99,20 @@ def analyze(model: onnx.ModelProto, target: str, calibration: list[np.ndarray], 
             quantize_weights(trial, 4 if target == "int4" else 8, DEFAULT_BLOCK_SIZE, select=lambda n: id(n) in weight_only)
         return trial
 
-    scores = []
-    for index, layer in enumerate(linears):
-        progress(f"sensitivity: {layer.name} ({index + 1}/{len(linears)})")
-        trial = evaluator.log_probs(quantized({layer.name}))
-        kl = np.mean([kl_divergence(r, t).mean() for r, t in zip(reference, trial)])
-        scores.append((layer.name, float(kl)))
-    ranking = sorted(scores, key=lambda item: -item[1])
-
     everything = [l.name for l in linears]
+    if exhaustive:
+        scores = []
+        for index, layer in enumerate(linears):
+            progress(f"sensitivity: {layer.name} ({index + 1}/{len(linears)})")
+            trial = evaluator.log_probs(quantized({layer.name}))
+            kl = np.mean([kl_divergence(r, t).mean() for r, t in zip(reference, trial)])
+            scores.append((layer.name, float(kl)))
+        ranking = sorted(scores, key=lambda item: -item[1])
+    else:
+        progress(f"sensitivity: each layer's added error, all {len(linears)} quantized")
+        values = {l.name: (l.node.input[0], l.node.output[0]) for l in linear_layers(base)}
+        ranking = added_errors(serialize(base)["model.onnx"], quantized(set(everything)), evaluation[:2], values)
+
     spared_by_rank = [name for name, _ in ranking]
     ppls = {0: evaluator.perplexity(evaluator.log_probs(quantized(set(everything))))}
 

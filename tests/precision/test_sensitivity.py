@@ -26,9 +26,10 @@ def level2(tiny_llama_onnx):
     return model
 
 
-def test_ranking_covers_every_layer_worst_first(level2):
+@pytest.mark.parametrize("exhaustive", [False, True])
+def test_ranking_covers_every_layer_worst_first(level2, exhaustive):
     windows = [RNG.integers(3, 258, 48) for _ in range(2)]
-    result = analyze(level2, "int4", windows, windows)
+    result = analyze(level2, "int4", windows, windows, exhaustive=exhaustive)
     names = [name for name, _ in result.ranking]
     assert sorted(names) == sorted(l.name for l in linear_layers(level2))
     errors = [kl for _, kl in result.ranking]
