@@ -18,10 +18,11 @@ precision, later rules overriding earlier ones. Op types take fp32 or fp16 only:
 
 A rule that names nothing in the model is an error, raised before calibration starts.
 
-By rule, lm_head is not given int8 activations: under int8 or int8-dynamic it gets int8 weights
-only, unless a rule names it. On SmolLM2-135M its static int8 alone costs +4.9% perplexity on
-real text, per-token about +0.9%; weight-only int8 keeps it within 0.2% and its weights at a
-quarter of fp32 (it is the largest layer of a small model).
+By rule, lm_head is not given int8 activations nor int4 weights: under int8, int8-dynamic or int4
+it gets int8 weights only, unless a rule names it. On SmolLM2-135M its static int8 alone costs
++4.9% perplexity on real text, per-token about +0.9%; weight-only int8 keeps it within 0.2% and
+its weights at a quarter of fp32 (it is the largest layer of a small model, and with tied
+embeddings the one matrix int4 rounds worst: precision/weight_only.py).
 
 Any quantizing option needs data, to calibrate and to check the result: the accuracy gate
 (precision/gate.py) holds back a quarter of it and refuses an engine past --max-ppl-increase.
@@ -39,13 +40,14 @@ import numpy as np
 import onnx
 
 from llmc.errors import LlmcError
-from llmc.precision.calibration import check_calibrator
+from llmc.precision.calibration import check_calibrator, observe
 from llmc.precision.data import read_documents, windows
 from llmc.precision.fp16 import convert_to_fp16, node_key
 from llmc.precision.gate import DEFAULT_MAX_PPL_INCREASE, split
 from llmc.precision.int8 import quantize_int8
 from llmc.precision.linears import linear_layers
-from llmc.precision.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, quantize_weights
+from llmc.precision.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LM_HEAD_UNDER_INT4, quantize_weights
+from llmc.precision.weight_only import SAMPLE_ROWS as WEIGHT_SAMPLE_ROWS
 
 PRECISIONS = ("fp32", "fp16", "int8", "int8-dynamic", "int8-weights", "int4")
 CALIBRATION_WINDOW = 256
@@ -163,8 +165,10 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
     op_rules: dict[str, str] = {}
     if config is not None and config.default is not None:
         chosen = {name: config.default for name in chosen}
-    if chosen.get("lm_head") in ("int8", "int8-dynamic"):  # the lm_head rule (module docstring)
+    if chosen.get("lm_head") in ("int8", "int8-dynamic"):  # the lm_head rules (module docstring)
         chosen["lm_head"] = "int8-weights"
+    elif chosen.get("lm_head") == "int4":
+        chosen["lm_head"] = LM_HEAD_UNDER_INT4
     if config is not None:
         ops = {n.op_type for n in model.graph.node}
         for pattern, value in config.rules:
@@ -197,10 +201,17 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
         entry[label] = {"calibrator": options.calibrator, "calibration_tokens": int(sum(len(w) for w in calibration)),
                         "activations": [g.summary() for g in groups]}
     for bits, label in ((8, "int8-weights"), (4, "int4")):
-        nodes = {id(by_name[n].node) for n, p in chosen.items() if p == label}
-        if nodes:
-            quantize_weights(model, bits, options.weights_block_size, select=lambda node: id(node) in nodes)
-            entry["weights_block_size"] = options.weights_block_size
+        layers = [by_name[n] for n, p in chosen.items() if p == label]
+        if not layers:
+            continue
+        nodes, activations = {id(l.node) for l in layers}, None
+        if bits == 4 and calibration:  # activation-aware scaling and clipping (precision/awq.py)
+            activations = observe(model, calibration, sorted({l.node.input[0] for l in layers}), histograms=False,
+                                  sample_rows=WEIGHT_SAMPLE_ROWS, progress=progress)
+        quantize_weights(model, bits, options.weights_block_size, select=lambda node: id(node) in nodes,
+                         activations=activations)
+        entry["weights_block_size"] = options.weights_block_size
+        entry[f"{label}_activation_aware"] = activations is not None
     wants_half = options.fp16 or "fp16" in chosen.values() or "fp16" in op_rules.values()
     if wants_half:
         keep_ops = {op for op, p in op_rules.items() if p == "fp32"}

@@ -69,6 +69,22 @@ def test_mixed_precision_file_assigns_layers_and_refuses_unknown_names(tiny_llam
         read_config(str(config))
 
 
+def test_lm_head_rules_and_calibrated_int4(tiny_llama_onnx):
+    import numpy as np
+
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    windows = [np.random.default_rng(0).integers(3, 258, 64) for _ in range(2)]
+    for options, lm_head in ((PrecisionOptions(weights="int4", force=True), "int8-weights"),
+                             (PrecisionOptions(int8_dynamic=True, force=True), "int8-weights")):
+        entry = apply_precision(copy.deepcopy(model), options, None, windows)
+        assert entry["linears"]["lm_head"] == lm_head
+        assert set(entry["linears"].values()) == {lm_head, "int4" if options.weights else "int8-dynamic"}
+    assert apply_precision(copy.deepcopy(model), PrecisionOptions(weights="int4", force=True), None, windows)[
+        "int4_activation_aware"]
+    assert not apply_precision(copy.deepcopy(model), PrecisionOptions(weights="int4", force=True), None, [])[
+        "int4_activation_aware"]
+
+
 def test_conflicting_and_bad_options_are_refused(tiny_llama_onnx, tmp_path):
     with pytest.raises(LlmcError, match="--int8-calib, --int8-dynamic and --weights each set every linear layer"):
         check_options(PrecisionOptions(int8_calib="x", weights="int4"))
