@@ -16,15 +16,17 @@ Each weight is stored as a code c in 0..2^bits-1 and stands for (c - zero point)
 4-bit codes are packed two per byte, the lower K index in the low nibble. The product itself
 runs in int8 (`ACCURACY_LEVEL`), as onnxruntime's fast CPU kernels do.
 
-With calibration statistics, two things use the activations (`quantize_weights(activations=)`):
-weights are scaled by how large their input channels run (AWQ, precision/awq.py), and each
-block's range may be clipped (`CLIP_RATIOS`) where that lowers the error of the layer's output on
-the sampled rows. Measured on SmolLM2-135M-Instruct, real held-out text, every linear layer int4
-but lm_head: perplexity +24.9% symmetric, +24.5% asymmetric with
-plain rounding; +16.1% and +10.8% with scaling and clipping. onnxruntime's own quantizer gives
-+23.7% to +25.4% there. Caveat: that checkpoint was dequantized from GGUF Q4_1 (asymmetric
-blocks of 32 along K), so its weights sit on an asymmetric 4-bit grid, which favours asymmetric
-blocks of 32; on the fp16-trained pystdlib-llama the two are within noise of each other.
+With calibration statistics (`quantize_weights(activations=)`), 4-bit weights are first scaled
+by how large their input channels run (AWQ, precision/awq.py). Measured on SmolLM2-135M-Instruct,
+real held-out text, every linear layer int4 but lm_head (int8), perplexity against fp32:
++25.4% symmetric and +24.8% asymmetric with plain rounding, +20.4% and +9.9% with scaling;
+onnxruntime's own quantizer gives +23.7% to +26.0% there (lm_head fp32). Asymmetric blocks of 32
+are the default by those numbers, with a caveat: that checkpoint was dequantized from GGUF Q4_1
+(asymmetric blocks of 32 along K), so its weights sit on an asymmetric 4-bit grid; on the
+fp16-trained pystdlib-llama int4 costs under 0.3% either way. Blocks of 128 cost +25.5% even
+with scaling. A calibrated per-block clip search (narrower ranges where that lowered the output
+error on the sampled rows) was tried and left out: no better in perplexity with 512 rows, and
++21% with 256, where it fitted the few rows it saw.
 
 The logits projection is kept at 8 bits when int4 is asked (`LM_HEAD_UNDER_INT4`): int4 there
 cost SmolLM2 another +9 points of perplexity (+34% against +25%), int8 +0.5.
@@ -55,50 +57,16 @@ ACCURACY_LEVEL = 4
 SYMMETRIC = False  # asymmetric: the measured better one (module docstring)
 # What plan.py gives lm_head when --weights int4 is asked and no mixed-precision rule names it.
 LM_HEAD_UNDER_INT4 = "int8-weights"
-SAMPLE_ROWS = 512  # calibration rows per layer input that the scale and clip searches measure on
-# Block ranges tried when calibration rows are given (AWQ's clip search goes down to 0.5).
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+# Calibration rows per layer input that the scale search measures on (SmolLM2: +9.9% perplexity
+# with 512, +10.4% with 256).
+SAMPLE_ROWS = 512
 
 
-def quantize_blocks(weight: np.ndarray, bits: int, block_size: int, symmetric: bool = SYMMETRIC,
-                    sample: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_blocks(weight: np.ndarray, bits: int, block_size: int,
+                    symmetric: bool = SYMMETRIC) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Codes [N, blocks, block_size] (uint8, unpacked), scales and zero points [N, blocks] of a
-    [K, N] weight; each weight stands for (code - zero point) · scale.
-
-    With a `sample` of input rows [R, K], each block's range is also tried narrower (`CLIP_RATIOS`:
-    clipping its largest weights buys a finer step for the rest) and the one that changes
-    sample · weight the least is kept; without, the range is the block's own.
-    """
+    [K, N] weight; each weight stands for (code - zero point) · scale."""
     grouped = _blocks(weight, block_size)  # [N, blocks, block_size]
-    if sample is None:
-        return _round(grouped, bits, symmetric, 1.0)
-    rows = _blocks(sample.T, block_size)  # [R, blocks, block_size]
-    gram = np.einsum("rbk,rbj->bkj", rows, rows)  # the output error of a block's error e is e · gram · e
-    best = None
-    for ratio in CLIP_RATIOS:
-        codes, scales, zeros = _round(grouped, bits, symmetric, ratio)
-        error = (codes.astype(np.float32) - zeros[..., None]) * scales[..., None] - grouped
-        cost = np.einsum("bnk,bnk->nb", np.matmul(error.transpose(1, 0, 2), gram), error.transpose(1, 0, 2))
-        if best is None:
-            best = [cost, codes, scales, zeros]
-            continue
-        better = cost < best[0]
-        best = [np.where(better, cost, best[0]), np.where(better[..., None], codes, best[1]),
-                np.where(better, scales, best[2]), np.where(better, zeros, best[3])]
-    return best[1], best[2], best[3]
-
-
-def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
-    """[K, N] → [N, blocks, block_size], K zero-padded to whole blocks."""
-    k, n = weight.shape
-    blocks = -(-k // block_size)
-    padded = np.zeros((blocks * block_size, n), np.float32)
-    padded[:k] = weight
-    return padded.T.reshape(n, blocks, block_size)
-
-
-def _round(grouped: np.ndarray, bits: int, symmetric: bool, ratio: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Codes, scales and zero points of blocks whose range is `ratio` of their own (1: no clipping)."""
     low, high = 0, 2 ** bits - 1
     if symmetric:
         # Codes 0..2^bits-1 around the zero point 2^(bits-1): one more level on one side than the
@@ -108,16 +76,25 @@ def _round(grouped: np.ndarray, bits: int, symmetric: bool, ratio: float) -> tup
         half = 2 ** (bits - 1)
         positive, negative = np.maximum(grouped.max(axis=2), 0), np.maximum(-grouped.min(axis=2), 0)
         below, above = np.maximum(negative / half, positive / (half - 1)), np.maximum(positive / half, negative / (half - 1))
-        scales = np.where(below <= above, below, -above) * ratio
+        scales = np.where(below <= above, below, -above)
         zeros = np.full(scales.shape, half, np.float32)
     else:
         # The range always holds 0 so that the zero point is a code; the padding's zeros cost nothing.
         smallest, largest = np.minimum(grouped.min(axis=2), 0), np.maximum(grouped.max(axis=2), 0)
-        scales = (largest - smallest) / high * ratio
-        zeros = np.clip(np.rint(-smallest * ratio / np.where(scales == 0, 1.0, scales)), low, high)
+        scales = (largest - smallest) / high
+        zeros = np.clip(np.rint(-smallest / np.where(scales == 0, 1.0, scales)), low, high)
     safe = np.where(scales == 0, 1.0, scales)
     codes = np.clip(np.rint(grouped / safe[..., None]) + zeros[..., None], low, high)
     return codes.astype(np.uint8), scales.astype(np.float32), zeros.astype(np.uint8)
+
+
+def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
+    """[K, N] → [N, blocks, block_size], K zero-padded to whole blocks."""
+    k, n = weight.shape
+    blocks = -(-k // block_size)
+    padded = np.zeros((blocks * block_size, n), np.float32)
+    padded[:k] = weight
+    return padded.T.reshape(n, blocks, block_size)
 
 
 def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, k: int) -> np.ndarray:
@@ -175,20 +152,19 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
         accuracy_level: MatMulNBits' compute type: 0 float (exact dequantized product), 4 int8.
         symmetric: False writes a zero point per block (MatMulNBits' zero_points input).
         activations: calibration statistics of the layers' inputs, keyed by ``node.input[0]``
-            (`observe` with ``sample_rows``, `SAMPLE_ROWS`): for 4 bits, weights are first scaled by
-            how large their input channels run (precision/awq.py) and block ranges clipped where
-            that lowers the output error on the sampled rows. None: plain min-max rounding.
+            (`observe` with ``sample_rows=SAMPLE_ROWS``): for 4 bits, weights are first scaled by
+            how large their input channels run (precision/awq.py). None: plain min-max rounding.
     """
     if bits not in BITS:
         raise LlmcError(f"--weights: int{bits} is not supported (int4, int8)")
     if block_size not in BLOCK_SIZES:
         raise LlmcError(f"--weights-block-size: {block_size} is not supported ({', '.join(map(str, BLOCK_SIZES))})")
     contrib_ops.register()
-    # 8-bit rounding is fine enough without (int8 lm_head: +0.5 points on SmolLM2), and searching
-    # a vocabulary-sized lm_head took 70 s of a 4-minute compile.
-    activations = activations if activations and bits == 4 else {}
-    divisors = {x: s for x, (_, s) in scale_inputs(model, [node for node, _ in _targets(model, select)], activations,
-                                                    lambda w: fake_quantize(w, bits, block_size, symmetric)).items()}
+    # 4 bits only: 8-bit rounding is fine without (int8 lm_head: +0.5 points on SmolLM2), and the
+    # search over a vocabulary-sized lm_head alone took 50 s.
+    if activations and bits == 4:
+        scale_inputs(model, [node for node, _ in _targets(model, select)], activations,
+                     lambda w: fake_quantize(w, bits, block_size, symmetric))
     large = is_large(model)
     readers: dict[str, int] = {}
     for node in model.graph.node:
@@ -198,9 +174,7 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
     for node, weight in _targets(model, select):
         array = tensor_array(weight)
         k, n = array.shape
-        stats = activations.get(node.input[0])
-        sample = None if stats is None or stats.sample is None else stats.sample / divisors.get(node.input[0], 1.0)
-        codes, scales, zeros = quantize_blocks(array, bits, block_size, symmetric, sample)
+        codes, scales, zeros = quantize_blocks(array, bits, block_size, symmetric)
         prefix = f"{node.name or node.output[0]}.int{bits}"
         added += [make_initializer(pack(codes, bits), f"{prefix}.B", external=large),  # past 2 GB: external
                   numpy_helper.from_array(scales.reshape(-1), f"{prefix}.scales")]

@@ -1,5 +1,5 @@
-"""int4 quality: asymmetric blocks, the calibrated clip search, and activation-aware scaling (AWQ),
-each against an independent NumPy reference."""
+"""int4 quality: asymmetric blocks and activation-aware scaling (AWQ), each against an independent
+NumPy reference."""
 
 import copy
 
@@ -63,23 +63,6 @@ def test_asymmetric_blocks_use_the_whole_range():
     errors = {sym: np.abs(fake_quantize(weight, 4, 32, sym) - weight).max() for sym in (True, False)}
     assert errors[False] <= 1.0 / 15 / 2 + 1e-6  # half of the asymmetric step (0..1 in 15 steps)
     assert errors[False] < 0.6 * errors[True]
-
-
-def test_clip_search_lowers_the_output_error_on_its_rows_and_never_raises_it():
-    weight = RNG.standard_normal((96, 64)).astype(np.float32)
-    weight[RNG.integers(0, 96, 6), RNG.integers(0, 64, 6)] *= 6  # a few outlier weights widen their blocks
-    rows = RNG.standard_normal((256, 96)).astype(np.float32)
-    for symmetric in (True, False):
-        plain = dequantize_blocks(*quantize_blocks(weight, 4, 32, symmetric), 96)
-        searched = dequantize_blocks(*quantize_blocks(weight, 4, 32, symmetric, sample=rows), 96)
-        # per column and block, the searched range's error on the rows is at most the plain one's
-        for start in range(0, 96, 32):
-            block = slice(start, start + 32)
-            e_plain = np.square(rows[:, block] @ (plain[block] - weight[block])).sum(axis=0)
-            e_searched = np.square(rows[:, block] @ (searched[block] - weight[block])).sum(axis=0)
-            assert np.all(e_searched <= e_plain * (1 + 1e-5))
-        total = {name: np.square(rows @ (w - weight)).sum() for name, w in (("plain", plain), ("searched", searched))}
-        assert total["searched"] < 0.98 * total["plain"], (symmetric, total)
 
 
 def _matmul_model(weight):
@@ -181,7 +164,7 @@ def test_each_chosen_scale_is_no_worse_than_none_on_its_rows(level2):
 
 
 def test_activation_aware_int4_beats_plain_rounding_on_outlier_channels(level2):
-    rng = np.random.default_rng(0)  # its own: the margin depends on the data (ratios 0.65 to 0.87 over seeds 0-3)
+    rng = np.random.default_rng(0)  # its own: the margin depends on the data (ratios 0.67 to 0.89 over seeds 0-3)
     model = _with_outlier_channels(level2)
     stats = _stats(model, [rng.integers(3, 258, 64) for _ in range(4)])
     ids = rng.integers(3, 258, 48)
