@@ -187,6 +187,20 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
 
     by_name = {l.name: l for l in linears}
     entry = {"fp16": options.fp16, "linears": chosen}
+    # int4 first: its activation-aware scales are measured on the float graph and fold into
+    # norms and projections that must not have been rewritten yet.
+    for bits, label in ((4, "int4"), (8, "int8-weights")):
+        layers = [by_name[n] for n, p in chosen.items() if p == label]
+        if not layers:
+            continue
+        nodes, activations = {id(l.node) for l in layers}, None
+        if bits == 4 and calibration:  # activation-aware scaling (precision/awq.py)
+            activations = observe(model, calibration, sorted({l.node.input[0] for l in layers}), histograms=False,
+                                  sample_rows=WEIGHT_SAMPLE_ROWS, progress=progress)
+        quantize_weights(model, bits, options.weights_block_size, select=lambda node: id(node) in nodes,
+                         activations=activations)
+        entry["weights_block_size"] = options.weights_block_size
+        entry[f"{label}_activation_aware"] = activations is not None
     for label, dynamic in (("int8", False), ("int8-dynamic", True)):
         layers = [by_name[n] for n, p in chosen.items() if p == label]
         if not layers:
@@ -200,18 +214,6 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
         progress(f"{label}: {len(layers) - per_token} layers with static activation scales, {per_token} per-token")
         entry[label] = {"calibrator": options.calibrator, "calibration_tokens": int(sum(len(w) for w in calibration)),
                         "activations": [g.summary() for g in groups]}
-    for bits, label in ((8, "int8-weights"), (4, "int4")):
-        layers = [by_name[n] for n, p in chosen.items() if p == label]
-        if not layers:
-            continue
-        nodes, activations = {id(l.node) for l in layers}, None
-        if bits == 4 and calibration:  # activation-aware scaling and clipping (precision/awq.py)
-            activations = observe(model, calibration, sorted({l.node.input[0] for l in layers}), histograms=False,
-                                  sample_rows=WEIGHT_SAMPLE_ROWS, progress=progress)
-        quantize_weights(model, bits, options.weights_block_size, select=lambda node: id(node) in nodes,
-                         activations=activations)
-        entry["weights_block_size"] = options.weights_block_size
-        entry[f"{label}_activation_aware"] = activations is not None
     wants_half = options.fp16 or "fp16" in chosen.values() or "fp16" in op_rules.values()
     if wants_half:
         keep_ops = {op for op, p in op_rules.items() if p == "fp32"}
