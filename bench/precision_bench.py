@@ -302,7 +302,8 @@ def run_smollm2(args) -> dict:
     reference, export_entry = smollm2_export(work)
     data = real_text(work)
     reference_model = CachedReference(reference, threads)
-    keep = (lambda name: name in SMOLLM2_QUICK) if args.quick else (lambda name: True)
+    keep = ((lambda name: name in SMOLLM2_QUICK) if args.quick
+            else (lambda name: name in args.variants) if args.variants else (lambda name: True))
     # Every variant compiles the same level-2 graph (the default pipeline, run once) with
     # --level 0: llmc's precision applies after optimization anyway, onnxruntime's quantizers
     # start from the same graph, and the pipeline runs once instead of once per variant.
@@ -375,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="three variants, short decode: a smoke run")
     parser.add_argument("--save-json", metavar="PATH")
+    parser.add_argument("--variants", type=lambda text: text.split(","), metavar="A,B",
+                        help="SmolLM2: only these variants (names as in the table), e.g. to rerun after a change")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR))
     args = parser.parse_args(argv)
