@@ -18,10 +18,10 @@ for them leaves the other tokens a handful of levels. Measured there on real tex
 everywhere +10% perplexity (after smoothing), per-token down projections +0.5%
 (bench/RESULTS.md).
 
-SmoothQuant moves activation outlier channels into the weights before quantizing. Where x comes
-from a normalization (read only by these layers), or is an MLP's gate · up product, a per-channel
-s divides x (folded into the norm's scale, or into the up projection's output columns) and
-multiplies W's rows: the float function is unchanged. s_j = max|x_j|^a / max|W_j|^(1-a). The
+SmoothQuant moves activation outlier channels into the weights before quantizing. Where x, read
+only by these layers, can absorb a per-channel divisor s (a norm's output, the MLP's gate · up
+product, attention's output: precision/folding.py), x is divided by s and W's rows multiplied by
+it: the float function is unchanged. s_j = max|x_j|^a / max|W_j|^(1-a). The
 strength a is chosen per activation from `ALPHAS`, by the error the quantized layers make on
 sampled calibration rows; a = 0 (no smoothing) is always a candidate, so smoothing never makes a
 layer's error worse than without it.
@@ -39,13 +39,13 @@ from onnx import helper, numpy_helper
 from llmc.compiler.onnx_io import tensor_array
 from llmc.errors import LlmcError
 from llmc.precision.calibration import TensorStats, observe, threshold
+from llmc.precision.folding import Graph
 from llmc.precision.linears import Linear
 
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 0.9)
 SAMPLE_ROWS = 512  # calibration rows kept per activation to choose the smoothing strength on
 PER_TOKEN_ROLES = ("mlp.down",)
 PER_TOKEN_OPSET = 21  # blocked QuantizeLinear
-_NORMS = ("RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization")
 
 
 @dataclass
@@ -54,7 +54,6 @@ class ActivationGroup:
     input: str
     layers: list[Linear]
     per_token: bool
-    fold: tuple | None = None        # where smoothing folds 1/s: ("norm", node) or ("columns", matmul, start)
     alpha: float = 0.0
     smoothing: np.ndarray | None = None
     threshold: float | None = None   # static scale's |x| limit; None for per-token
@@ -90,7 +89,7 @@ def choose_scales(model: onnx.ModelProto, linears: list[Linear], windows: list[n
     float function is unchanged) and each group gets its threshold (None: per token)."""
     if smoothquant is not None and not 0.0 <= smoothquant < 1.0:
         raise LlmcError(f"--smoothquant: alpha must be in [0, 1), got {smoothquant}")
-    groups = activation_groups(model, linears, dynamic)
+    groups = activation_groups(linears, dynamic)
     if any(g.per_token for g in groups) and _opset(model) < PER_TOKEN_OPSET:
         raise LlmcError(f"per-token int8 needs opset {PER_TOKEN_OPSET}; this graph imports opset "
                         f"{_opset(model)} (compile at the default level, which fuses attention into opset 23)")
@@ -111,85 +110,50 @@ def choose_scales(model: onnx.ModelProto, linears: list[Linear], windows: list[n
     return groups
 
 
-def activation_groups(model: onnx.ModelProto, linears: list[Linear], dynamic: bool) -> list[ActivationGroup]:
-    """Group `linears` by input, with the place smoothing can fold into (if any)."""
-    graph = model.graph
-    producer = {o: n for n in graph.node for o in n.output}
-    weights = {t.name: t for t in graph.initializer}
-    readers: dict[str, list] = {}
-    for node in graph.node:
-        for i in node.input:
-            readers.setdefault(i, []).append(node)
+def activation_groups(linears: list[Linear], dynamic: bool) -> list[ActivationGroup]:
+    """Group `linears` by input, each with its activation scheme."""
     by_input: dict[str, list[Linear]] = {}
     for layer in linears:
         by_input.setdefault(layer.node.input[0], []).append(layer)
-    groups = []
-    for name, layers in by_input.items():
-        per_token = dynamic or any(l.name.endswith(PER_TOKEN_ROLES) for l in layers)
-        fold = None
-        own_weights = all(len(readers.get(l.weight, [])) == 1 for l in layers)
-        if own_weights and len(readers[name]) == len(layers) and name in producer:
-            fold = _fold_site(producer[name], producer, readers, weights)
-        groups.append(ActivationGroup(name, layers, per_token, fold))
-    return groups
-
-
-def _fold_site(node, producer, readers, weights) -> tuple | None:
-    """Where 1/s can be folded so that `node`'s output is divided by s: a norm's scale, or the
-    up half of a gated MLP's (merged) projection."""
-    if node.op_type in _NORMS and len(node.input) > 1 and node.input[1] in weights:
-        return ("norm", node)
-    if node.op_type != "Mul":
-        return None
-    for operand in node.input:  # gate · up: the operand straight from a linear layer's output
-        source = producer.get(operand)
-        if source is None or len(readers[operand]) != 1:
-            continue
-        if source.op_type == "MatMul" and source.input[1] in weights:
-            matmul, start = source, 0
-        elif (source.op_type == "Split" and len(source.input) > 1 and source.input[1] in weights
-              and source.input[0] in producer and len(readers[source.input[0]]) == 1):
-            matmul = producer[source.input[0]]
-            sizes = tensor_array(weights[source.input[1]])
-            start = int(sum(sizes[:list(source.output).index(operand)]))
-            axis = next((a.i for a in source.attribute if a.name == "axis"), 0)
-            if matmul.op_type != "MatMul" or matmul.input[1] not in weights or axis not in (-1, 2):
-                continue
-        else:
-            continue
-        if len(readers[matmul.input[1]]) == 1:
-            return ("columns", matmul, start)
-    return None
+    return [ActivationGroup(name, layers, dynamic or any(l.name.endswith(PER_TOKEN_ROLES) for l in layers))
+            for name, layers in by_input.items()]
 
 
 def choose_smoothing(model: onnx.ModelProto, groups: list[ActivationGroup], stats: dict[str, TensorStats],
                      alphas: tuple[float, ...]) -> int:
     """Pick each group's smoothing strength by its sampled output error and fold it in place;
-    returns how many activations were smoothed."""
-    weights = {t.name: t for t in model.graph.initializer}
+    returns how many activations were smoothed. The last layers go first, so that a fold into
+    an earlier layer's weight columns (down into gate/up, o into q/k/v) lands before that layer's
+    own group reads its weights."""
+    graph = Graph(model)
     count = 0
-    for g in groups:
-        ws = [tensor_array(weights[l.weight]).astype(np.float32) for l in g.layers]
+    for g in reversed(groups):
+        readers = graph.consumers.get(g.input, [])
+        target = graph.fold_target(g.input) if len(readers) == len(g.layers) else None
+        ws = [graph.array(l.node.input[1]) for l in g.layers]
         s = stats[g.input]
         x_max, rows = np.asarray(s.channel_absmax, np.float32), s.sample
         w_max = np.max([np.abs(w).max(axis=1) for w in ws], axis=0)
+        if target is not None and target[1] is not None:  # channels that must share s share their statistics
+            x_max, w_max = target[1](x_max), target[1](w_max)
         best = None
-        for alpha in (alphas if g.fold is not None else (0.0,)):
+        for alpha in (alphas if target is not None else (0.0,)):
             scale = smoothing_scale(x_max, w_max, alpha)
-            error = output_error(rows, ws, scale, None if g.per_token else float((x_max / scale).max()))
+            error = output_error(rows, ws, scale, None if g.per_token else float((s.channel_absmax / scale).max()))
             if best is None or error < best[0]:
                 best = (error, alpha, scale)
         g.error, g.alpha = best[0], best[1]
         if g.alpha:
             g.smoothing = best[2]
-            _fold(model, g, weights, ws)
-            stats[g.input].channel_absmax = x_max / g.smoothing
+            for layer in g.layers:
+                graph.set_array(layer.node, 1, graph.array(layer.node.input[1]) * g.smoothing[:, None])
+            target[0](1.0 / g.smoothing)
+            stats[g.input].channel_absmax = s.channel_absmax / g.smoothing
             stats[g.input].absmax = float(stats[g.input].channel_absmax.max())
             count += 1
     read = {i for node in model.graph.node for i in node.input}
-    unread = [t for t in model.graph.initializer if t.name not in read]  # norm scales replaced by smoothed copies
-    for t in unread:
-        model.graph.initializer.remove(t)
+    for unread in [t for t in model.graph.initializer if t.name not in read]:  # shared weights copied on write
+        model.graph.initializer.remove(unread)
     return count
 
 
@@ -223,31 +187,11 @@ def quantize_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return codes.astype(np.float32) * scale, codes, scale
 
 
-def _fold(model: onnx.ModelProto, group: ActivationGroup, weights: dict, layer_weights: list[np.ndarray]) -> None:
-    s = group.smoothing
-    kind, node = group.fold[0], group.fold[1]
-    if kind == "norm":
-        for index in range(1, min(len(node.input), 3)):  # the scale, and a LayerNorm's bias
-            if node.input[index] in weights:
-                own = f"{group.input}.smoothed.{index}"  # a copy: a norm's scale may be shared (deduplicated)
-                value = (tensor_array(weights[node.input[index]]).astype(np.float32) / s).astype(np.float32)
-                model.graph.initializer.append(numpy_helper.from_array(value, own))
-                weights[own] = model.graph.initializer[-1]
-                node.input[index] = own
-    else:
-        name, start = node.input[1], group.fold[2]
-        w = tensor_array(weights[name]).astype(np.float32).copy()
-        w[:, start:start + len(s)] /= s
-        weights[name].CopyFrom(numpy_helper.from_array(w, name))
-    for layer, w in zip(group.layers, layer_weights):
-        weights[layer.weight].CopyFrom(numpy_helper.from_array((w * s[:, None]).astype(np.float32), layer.weight))
-
-
 def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[str, float | None]) -> None:
     """Insert the Q/DQ pairs (per tensor for a threshold, per token for None) and int8 weights."""
     weights = {t.name: t for t in model.graph.initializer}
     added, nodes_before = [], {}
-    rows = {l.node.input[0]: tensor_array(weights[l.weight]).shape[0] for l in linears}
+    rows = {l.node.input[0]: tensor_array(weights[l.node.input[1]]).shape[0] for l in linears}
     for name, limit in thresholds.items():
         prefix = f"{name}.int8"
         if limit is None:
@@ -267,16 +211,17 @@ def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[st
             readers[i] = readers.get(i, 0) + 1
     drop, dequantize = set(), []
     for layer in linears:
-        _, codes, scale = quantize_weight(tensor_array(weights[layer.weight]).astype(np.float32))
+        weight = layer.node.input[1]  # not layer.weight: smoothing may have given the layer its own copy
+        _, codes, scale = quantize_weight(tensor_array(weights[weight]).astype(np.float32))
         prefix = f"{layer.name}.weight.int8"
         added += [numpy_helper.from_array(codes, f"{prefix}"),
                   numpy_helper.from_array(scale, f"{prefix}.scale"),
                   numpy_helper.from_array(np.zeros(len(scale), np.int8), f"{prefix}.zero_point")]
         dequantize.append(helper.make_node("DequantizeLinear", [prefix, f"{prefix}.scale", f"{prefix}.zero_point"],
                                            [f"{prefix}.dq"], name=f"{prefix}/Dequantize", axis=1))
-        readers[layer.weight] -= 1
-        if readers[layer.weight] == 0:
-            drop.add(layer.weight)
+        readers[weight] -= 1
+        if readers[weight] == 0:
+            drop.add(weight)
         layer.node.input[0] = f"{layer.node.input[0]}.int8.dq"
         layer.node.input[1] = f"{prefix}.dq"
     # Place each activation's pair right after its producer, weights' DQ first: a valid order.
