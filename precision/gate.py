@@ -145,20 +145,20 @@ def _compare(float_session, quantized, windows: list[np.ndarray], overflow: str 
 def added_errors(reference: bytes, model: onnx.ModelProto, windows: list[np.ndarray],
                  layers: dict[str, tuple[str, str]]) -> list[tuple[str, float]]:
     """Each layer's output error minus its input error (relative L2, the float graph as truth),
-    largest first. The input's error is taken after the best per-channel rescaling: SmoothQuant
-    divides a layer's input by a per-channel scale, which is not an error."""
+    largest first. Errors are taken after the best per-channel rescaling: SmoothQuant and AWQ
+    divide a layer's input, and fold the divisor into another layer's output columns, by a
+    per-channel scale, which is not an error."""
     values = sorted({v for pair in layers.values() for v in pair})
     runs = [(_run_with_outputs(reference, values, w), _run_with_outputs(serialize(model)["model.onnx"], values, w))
             for w in windows]
 
-    def error(name: str, rescale: bool) -> float:
+    def error(name: str) -> float:
         exact = np.concatenate([f[name].reshape(-1, f[name].shape[-1]) for f, _ in runs]).astype(np.float64)
         got = np.concatenate([q[name].reshape(-1, q[name].shape[-1]) for _, q in runs]).astype(np.float64)
-        if rescale:  # exact · c per channel, c fitted by least squares
-            exact = exact * ((exact * got).sum(0) / np.maximum((exact * exact).sum(0), 1e-30))
+        exact = exact * ((exact * got).sum(0) / np.maximum((exact * exact).sum(0), 1e-30))  # · c, least squares
         return float(np.linalg.norm(got - exact) / max(np.linalg.norm(exact), 1e-30))
 
-    added = [(name, error(out, False) - error(inp, True)) for name, (inp, out) in layers.items()]
+    added = [(name, error(out) - error(inp)) for name, (inp, out) in layers.items()]
     return sorted(added, key=lambda item: -item[1])
 
 

@@ -11,7 +11,8 @@ mixed-precision file for `llmc compile --precision-config`.
 
 int8 and int8-dynamic quantize as `llmc compile` does (precision/int8.py): smoothing and scales
 are chosen once, on the fp32 graph, so they do not depend on which other layers are quantized;
-lm_head gets int8 weights only, by compile's rule (precision/plan.py).
+lm_head gets int8 weights only, by compile's rule (precision/plan.py). int4 is plain rounding
+here: compile's activation-aware scaling (precision/awq.py) searches for minutes per trial.
 """
 
 from __future__ import annotations
@@ -94,9 +95,12 @@ def analyze(model: onnx.ModelProto, target: str, calibration: list[np.ndarray], 
         activations = [l for l in chosen if l.node.input[0] in thresholds]
         if activations:
             write_qdq(trial, activations, {l.node.input[0]: thresholds[l.node.input[0]] for l in activations})
-        weight_only = {id(l.node) for l in chosen if l.node.input[0] not in thresholds}
-        if weight_only:
-            quantize_weights(trial, 4 if target == "int4" else 8, DEFAULT_BLOCK_SIZE, select=lambda n: id(n) in weight_only)
+        weight_only = [l for l in chosen if l.node.input[0] not in thresholds]
+        for bits in (4, 8):  # lm_head under int4: int8 weights, compile's rule
+            nodes = {id(l.node) for l in weight_only
+                     if bits == (4 if target == "int4" and l.name != "lm_head" else 8)}
+            if nodes:
+                quantize_weights(trial, bits, DEFAULT_BLOCK_SIZE, select=lambda n: id(n) in nodes)
         return trial
 
     everything = [l.name for l in linears]
