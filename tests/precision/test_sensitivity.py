@@ -33,7 +33,9 @@ def test_ranking_covers_every_layer_worst_first(level2, exhaustive):
     names = [name for name, _ in result.ranking]
     assert sorted(names) == sorted(l.name for l in linear_layers(level2))
     errors = [kl for _, kl in result.ranking]
-    assert errors == sorted(errors, reverse=True) and errors[-1] > 0
+    assert errors == sorted(errors, reverse=True) and errors[0] > 0
+    if exhaustive:  # a KL divergence; an added error may be below zero (a layer can shrink the error it is given)
+        assert errors[-1] > 0
     assert result.kept_fp32 == [] and result.config == {"default": "int4", "rules": {}}
 
 
