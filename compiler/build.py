@@ -23,6 +23,7 @@ from llmc.compiler.engine_file import write_engine
 from llmc.compiler.onnx_io import is_large, load_onnx, serialize, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
 from llmc.precision.gate import check_accuracy, general_text_windows
+from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.linears import linear_layers
 from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, refresh_shapes, resolve
@@ -84,6 +85,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         float_graph = None if large or not held_back else serialize(model)["model.onnx"]
         layers = {l.name: (l.node.input[0], l.node.output[0]) for l in linear_layers(model)}
         precision_entry = apply_precision(model, precision, mixed, calibration, progress)
+        if backend == "onnxruntime":
+            precision_entry["per_token_as_matmulnbits"] = lower_per_token_for_onnxruntime(model)
         refresh_shapes(model)  # the paged lowering reads ranks
         if float_graph is not None:
             rewritten = {name: values for name, values in layers.items() if precision_entry["linears"][name] != "fp32"}

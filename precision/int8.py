@@ -46,6 +46,7 @@ ALPHAS = (0.0, 0.25, 0.5, 0.75, 0.9)
 SAMPLE_ROWS = 512  # calibration rows kept per activation to choose the smoothing strength on
 PER_TOKEN_ROLES = ("mlp.down",)
 PER_TOKEN_OPSET = 21  # blocked QuantizeLinear
+CPU_BLOCK = 32  # MatMulNBits' block along K for per-token layers on onnxruntime
 
 
 @dataclass
@@ -151,9 +152,7 @@ def choose_smoothing(model: onnx.ModelProto, groups: list[ActivationGroup], stat
             stats[g.input].channel_absmax = s.channel_absmax / g.smoothing
             stats[g.input].absmax = float(stats[g.input].channel_absmax.max())
             count += 1
-    read = {i for node in model.graph.node for i in node.input}
-    for unread in [t for t in model.graph.initializer if t.name not in read]:  # shared weights copied on write
-        model.graph.initializer.remove(unread)
+    _drop_unread(model)  # shared weights copied on write
     return count
 
 
@@ -262,3 +261,63 @@ def _per_token_qdq(name: str, prefix: str, width: int, added: list) -> list[onnx
 
 def _opset(model: onnx.ModelProto) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+
+
+def lower_per_token_for_onnxruntime(model: onnx.ModelProto) -> int:
+    """Rewrite each per-token int8 linear (the Q/DQ form above) as onnxruntime's MatMulNBits with
+    8-bit weights; returns how many. onnxruntime does not fuse a runtime-scaled Q/DQ pair into an
+    int8 product: it would dequantize the whole weight every step (SmolLM2 decoded at 0.3× fp32).
+    MatMulNBits at accuracy level 4 quantizes its input to int8 on the fly per block of
+    `CPU_BLOCK` along K, finer than per token, and its per-block scales hold each column's int8
+    scale exactly, so the weights are the Q/DQ form's, code for code."""
+    from llmc.passes import contrib_ops  # the backend's op set, only for this lowering
+
+    weights = {t.name: t for t in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    lowered = 0
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or not node.input[0].endswith(".int8.dq"):
+            continue
+        x = node.input[0][:-len(".int8.dq")]
+        quantize = producer.get(f"{x}.int8.q")
+        weight_dq = producer.get(node.input[1])
+        if (quantize is None or quantize.input[1] in weights or weight_dq is None
+                or weight_dq.op_type != "DequantizeLinear" or weight_dq.input[0] not in weights):
+            continue  # a static pair: onnxruntime fuses it into an int8 product itself
+        codes = tensor_array(weights[weight_dq.input[0]]).astype(np.int16)  # [K, N]
+        scale = tensor_array(weights[weight_dq.input[1]]).astype(np.float32)  # [N]
+        k, n = codes.shape
+        blocks = -(-k // CPU_BLOCK)
+        padded = np.zeros((blocks * CPU_BLOCK, n), np.int16)
+        padded[:k] = codes
+        stored = (padded.T.reshape(n, blocks, CPU_BLOCK) + 128).astype(np.uint8)  # the op's zero point is 128
+        prefix = f"{node.name or node.output[0]}.int8_per_token"
+        model.graph.initializer.extend([numpy_helper.from_array(stored, f"{prefix}.B"),
+                                        numpy_helper.from_array(np.repeat(scale, blocks), f"{prefix}.scales")])
+        node.op_type, node.domain = "MatMulNBits", contrib_ops.DOMAIN
+        node.input[:] = [x, f"{prefix}.B", f"{prefix}.scales"]
+        node.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
+                               helper.make_attribute("bits", 8), helper.make_attribute("block_size", CPU_BLOCK),
+                               helper.make_attribute("accuracy_level", 4)])
+        lowered += 1
+    if lowered:
+        contrib_ops.register()
+        if not any(o.domain == contrib_ops.DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(contrib_ops.DOMAIN, 1))
+        _drop_unread(model)
+    return lowered
+
+
+def _drop_unread(model: onnx.ModelProto) -> None:
+    """Remove nodes whose outputs nobody reads and initializers nobody reads, until none is left."""
+    outputs = {o.name for o in model.graph.output}
+    while True:
+        read = {i for n in model.graph.node for i in n.input} | outputs
+        dead = [n for n in model.graph.node if not any(o in read for o in n.output)]
+        for n in dead:
+            model.graph.node.remove(n)
+        if not dead:
+            break
+    read = {i for n in model.graph.node for i in n.input}
+    for t in [t for t in model.graph.initializer if t.name not in read]:
+        model.graph.initializer.remove(t)

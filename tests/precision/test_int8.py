@@ -161,3 +161,20 @@ def test_smoothquant_never_adds_error_and_helps_outliers(level2):
                                           None if g.per_token else float(x_max.max()))
                 assert g.error <= unsmoothed * (1 + 1e-6), g.input
     assert errors["searched"] < 0.7 * errors["off"], errors
+
+
+def test_per_token_layers_become_matmulnbits_with_the_same_weights(level2):
+    from llmc.precision.int8 import lower_per_token_for_onnxruntime
+
+    model = copy.deepcopy(level2)
+    quantize_int8(model, linear_layers(model), [], "minmax", dynamic=True)
+    qdq = copy.deepcopy(model)
+    assert lower_per_token_for_onnxruntime(model) == len(linear_layers(level2))
+    ops = {n.op_type for n in model.graph.node}
+    assert "MatMulNBits" in ops and not ops & {"QuantizeLinear", "DequantizeLinear", "ReduceMax"}
+    # Same weights code for code; activations now quantized per block of 32 instead of per row.
+    ids = RNG.integers(3, 258, 20)
+    exact, lowered, reference = _logits(level2, ids), _logits(model, ids), _logits(qdq, ids)
+    scale = np.abs(exact).max()
+    assert np.abs(lowered - reference).max() < 0.02 * scale
+    assert np.abs(lowered - exact).max() < 0.05 * scale
