@@ -3,7 +3,6 @@ one line naming layers, --force writes it with the figures recorded, the figures
 `llmc check` on the same held-back windows, values that overflow fp16 are named, and calibration
 narrower than general text is warned of."""
 
-import json
 import subprocess
 from pathlib import Path
 

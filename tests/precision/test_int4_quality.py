@@ -4,17 +4,15 @@ NumPy reference."""
 import copy
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
-from llmc.compiler.onnx_io import serialize
-from llmc.compiler.pipeline import optimize
 from llmc.precision import awq
-from llmc.precision.calibration import observe, prefill_feeds
+from llmc.precision.calibration import observe
 from llmc.precision.linears import linear_layers
 from llmc.precision.weight_only import dequantize_blocks, fake_quantize, quantize_blocks, quantize_weights
+from precision_graphs import logits, matmul_model
 
 RNG = np.random.default_rng(0)
 
@@ -65,19 +63,10 @@ def test_asymmetric_blocks_use_the_whole_range():
     assert errors[False] < 0.6 * errors[True]
 
 
-def _matmul_model(weight):
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["a", "w"], ["y"], name="proj")], "mm",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, "t", weight.shape[0]])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "t", weight.shape[1]])],
-        [numpy_helper.from_array(weight, "w")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-
-
 @pytest.mark.parametrize("k", [96, 80])  # 80: three blocks, so the zero points' last byte is half padding
 def test_onnxruntime_reads_asymmetric_weights_as_numpy_does(k):
     weight = (RNG.standard_normal((k, 40)) + 0.7).astype(np.float32)
-    model = _matmul_model(weight)
+    model = matmul_model(weight)
     quantize_weights(model, 4, block_size=32, accuracy_level=0, symmetric=False)
     node = model.graph.node[0]
     assert node.op_type == "MatMulNBits" and len(node.input) == 4
@@ -95,17 +84,6 @@ def test_onnxruntime_reads_asymmetric_weights_as_numpy_does(k):
 
 
 # Activation-aware scaling on the tiny llama (level 2: fused attention, merged q/k/v and gate/up).
-
-@pytest.fixture(scope="module")
-def level2(tiny_llama_onnx):
-    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
-    return model
-
-
-def _logits(model, ids):
-    session = ort.InferenceSession(serialize(model)["model.onnx"], providers=["CPUExecutionProvider"])
-    return session.run(["logits"], prefill_feeds(session, ids))[0][0]
-
 
 def _with_outlier_channels(level2, factor=100.0):
     """level2 with input channels 3 and 5 of every norm-fed layer scaled up by `factor` in the norm
@@ -144,7 +122,7 @@ def test_scaling_keeps_the_float_function(level2, monkeypatch):
     assert len(chosen) == 4 * layers + 1 and all(e == 0.5 for e, _ in chosen.values())
     assert not any(np.allclose(s, 1.0) for _, s in chosen.values())
     ids = RNG.integers(3, 258, 20)
-    np.testing.assert_allclose(_logits(model, ids), _logits(level2, ids), atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits(model, ids), logits(level2, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_each_chosen_scale_is_no_worse_than_none_on_its_rows(level2):
@@ -168,7 +146,7 @@ def test_activation_aware_int4_beats_plain_rounding_on_outlier_channels(level2):
     model = _with_outlier_channels(level2)
     stats = _stats(model, [rng.integers(3, 258, 64) for _ in range(4)])
     ids = rng.integers(3, 258, 48)
-    exact = _logits(model, ids)
+    exact = logits(model, ids)
     seeded = {n.output[0] for n in model.graph.node if n.op_type == "RMSNormalization"}
     errors = {}
     for label, activations in (("plain", None), ("aware", stats)):
@@ -177,5 +155,5 @@ def test_activation_aware_int4_beats_plain_rounding_on_outlier_channels(level2):
         done = quantize_weights(trial, 4, 32, accuracy_level=0, activations=activations,
                                 select=lambda node: node.input[0] in seeded)
         assert len(done) == len(seeded)  # merged q/k/v and gate/up per layer, and lm_head
-        errors[label] = float(np.abs(_logits(trial, ids) - exact).mean())
+        errors[label] = float(np.abs(logits(trial, ids) - exact).mean())
     assert errors["aware"] < 0.9 * errors["plain"], errors

@@ -10,24 +10,13 @@ import pytest
 from onnx import numpy_helper
 
 from llmc.compiler.onnx_io import serialize
-from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import BINS, TensorStats, check_calibrator, entropy_bins, observe, prefill_feeds, threshold
 from llmc.precision.int8 import activation_groups, choose_smoothing, output_error, quantize_int8, write_qdq
 from llmc.precision.linears import linear_layers
+from precision_graphs import logits
 
 RNG = np.random.default_rng(0)
-
-
-@pytest.fixture(scope="module")
-def level2(tiny_llama_onnx):
-    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
-    return model
-
-
-def _logits(model, ids):
-    session = ort.InferenceSession(serialize(model)["model.onnx"], providers=["CPUExecutionProvider"])
-    return session.run(["logits"], prefill_feeds(session, ids))[0][0]
 
 
 def test_minmax_and_percentile_thresholds_by_hand():
@@ -103,7 +92,7 @@ def test_dynamic_mode_needs_no_calibration(level2):
     groups = quantize_int8(model, linear_layers(model), [], "minmax", dynamic=True)
     assert all(g.per_token and g.threshold is None for g in groups)
     ids = RNG.integers(3, 258, 20)
-    exact, quantized = _logits(level2, ids), _logits(model, ids)
+    exact, quantized = logits(level2, ids), logits(model, ids)
     assert np.abs(quantized - exact).max() < 0.05 * np.abs(exact).max()
     with pytest.raises(LlmcError, match="static int8 needs calibration data"):
         quantize_int8(copy.deepcopy(level2), linear_layers(level2), [], "minmax")
@@ -139,19 +128,19 @@ def test_smoothquant_keeps_the_float_function(level2):
     smoothed = choose_smoothing(model, groups, stats, alphas=(0.5,))  # forced: every foldable activation
     assert smoothed == len(groups) == 4 * 4 + 1  # per layer: two norms, gate·up, attention (o); the final norm
     ids = RNG.integers(3, 258, 20)
-    np.testing.assert_allclose(_logits(model, ids), _logits(level2, ids), atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits(model, ids), logits(level2, ids), atol=2e-4, rtol=1e-4)
 
 
 def test_smoothquant_never_adds_error_and_helps_outliers(level2):
     model = _with_outlier_channel(level2)
     windows = [RNG.integers(3, 258, 64) for _ in range(4)]
     ids = RNG.integers(3, 258, 48)
-    exact = _logits(model, ids)
+    exact = logits(model, ids)
     errors = {}
     for label, alpha in (("off", 0.0), ("searched", None)):
         trial = copy.deepcopy(model)
         groups = quantize_int8(trial, linear_layers(trial), windows, "minmax", smoothquant=alpha)
-        errors[label] = float(np.abs(_logits(trial, ids) - exact).mean())
+        errors[label] = float(np.abs(logits(trial, ids) - exact).mean())
         if alpha is None:  # each activation's chosen strength is no worse than none, on its own rows
             stats = observe(model, windows, [g.input for g in groups], histograms=False, sample_rows=512)
             weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
@@ -174,7 +163,7 @@ def test_per_token_layers_become_matmulnbits_with_the_same_weights(level2):
     assert "MatMulNBits" in ops and not ops & {"QuantizeLinear", "DequantizeLinear", "ReduceMax"}
     # Same weights code for code; activations now quantized per block of 32 instead of per row.
     ids = RNG.integers(3, 258, 20)
-    exact, lowered, reference = _logits(level2, ids), _logits(model, ids), _logits(qdq, ids)
+    exact, lowered, reference = logits(level2, ids), logits(model, ids), logits(qdq, ids)
     scale = np.abs(exact).max()
     assert np.abs(lowered - reference).max() < 0.02 * scale
     assert np.abs(lowered - exact).max() < 0.05 * scale

@@ -20,12 +20,6 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 RNG = np.random.default_rng(0)
 
 
-@pytest.fixture(scope="module")
-def level2(tiny_llama_onnx):
-    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
-    return model
-
-
 @pytest.mark.parametrize("exhaustive", [False, True])
 def test_ranking_covers_every_layer_worst_first(level2, exhaustive):
     windows = [RNG.integers(3, 258, 48) for _ in range(2)]

@@ -5,10 +5,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from llmc.errors import LlmcError
 from llmc.precision.weight_only import dequantize_blocks, pack, quantize_blocks, quantize_weights
+from precision_graphs import matmul_model
 
 RNG = np.random.default_rng(0)
 
@@ -48,20 +48,11 @@ def test_round_trip_error_is_at_most_half_a_step(bits, k, symmetric):
     assert relative < {4: 0.11, 8: 0.006}[bits]
 
 
-def _matmul_model(weight):
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["a", "w"], ["y"], name="proj")], "mm",
-        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [1, "t", weight.shape[0]])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "t", weight.shape[1]])],
-        [numpy_helper.from_array(weight, "w")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-
-
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_onnxruntime_matmulnbits_equals_the_dequantized_matmul(bits, symmetric):
     weight = RNG.standard_normal((96, 40)).astype(np.float32)
-    model = _matmul_model(weight)
+    model = matmul_model(weight)
     assert quantize_weights(model, bits, block_size=32, accuracy_level=0, symmetric=symmetric) == ["proj"]
     onnx.checker.check_model(model)
     assert [n.op_type for n in model.graph.node] == ["MatMulNBits"]
@@ -75,7 +66,7 @@ def test_onnxruntime_matmulnbits_equals_the_dequantized_matmul(bits, symmetric):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_int8_compute_stays_close_to_the_dequantized_matmul(bits):
     weight = RNG.standard_normal((96, 40)).astype(np.float32)
-    model = _matmul_model(weight)
+    model = matmul_model(weight)
     quantize_weights(model, bits, block_size=32)  # the default: int8 compute
     a = RNG.standard_normal((1, 5, 96)).astype(np.float32)
     got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
@@ -86,6 +77,6 @@ def test_int8_compute_stays_close_to_the_dequantized_matmul(bits):
 
 def test_bad_settings_are_refused():
     with pytest.raises(LlmcError, match="int3"):
-        quantize_weights(_matmul_model(np.ones((4, 4), np.float32)), 3)
+        quantize_weights(matmul_model(np.ones((4, 4), np.float32)), 3)
     with pytest.raises(LlmcError, match="--weights-block-size: 48"):
-        quantize_weights(_matmul_model(np.ones((4, 4), np.float32)), 4, block_size=48)
+        quantize_weights(matmul_model(np.ones((4, 4), np.float32)), 4, block_size=48)
