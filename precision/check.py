@@ -93,13 +93,9 @@ def check(engine, reference: ReferenceModel, data: str | os.PathLike, *, window:
     for index, piece in enumerate(pieces):
         progress(f"window {index + 1}/{len(pieces)} ({len(piece)} tokens)")
         ref_logits, eng_logits = reference.logits(piece)[:-1], engine.logits(piece)[:-1]
-        ref, eng = log_softmax(ref_logits), log_softmax(eng_logits)
-        targets = piece[1:]
-        rows = np.arange(len(targets))
-        nll_ref.append(-ref[rows, targets])
-        nll_eng.append(-eng[rows, targets])
-        agree.append(ref.argmax(-1) == eng.argmax(-1))
-        kl.append(kl_divergence(ref, eng))
+        for total, part in zip((nll_ref, nll_eng, agree, kl),
+                               position_metrics(log_softmax(ref_logits), log_softmax(eng_logits), piece[1:])):
+            total.append(part)
         cosine.append((ref_logits * eng_logits).sum(-1)
                       / (np.linalg.norm(ref_logits, axis=-1) * np.linalg.norm(eng_logits, axis=-1) + 1e-12))
     progress(f"greedy generation, {generate} tokens each")
@@ -124,6 +120,14 @@ def _first_divergence(engine, reference: ReferenceModel, prompt: np.ndarray, cou
         if ref_ids[-1] != eng_ids[-1]:
             return step
     return None
+
+
+def position_metrics(reference: np.ndarray, candidate: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per position, from log-probabilities: each model's negative log-likelihood of the target,
+    whether their most likely tokens agree, and KL(reference ‖ candidate)."""
+    rows = np.arange(len(targets))
+    return (-reference[rows, targets], -candidate[rows, targets], reference.argmax(-1) == candidate.argmax(-1),
+            kl_divergence(reference, candidate))
 
 
 def kl_divergence(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:

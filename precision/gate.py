@@ -30,7 +30,7 @@ from onnx import helper
 from llmc.compiler.onnx_io import serialize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
-from llmc.precision.check import kl_divergence, log_softmax
+from llmc.precision.check import log_softmax, position_metrics
 from llmc.precision.data import windows
 
 DEFAULT_MAX_PPL_INCREASE = 3.0  # percent
@@ -131,12 +131,8 @@ def _compare(float_session, quantized, windows: list[np.ndarray], overflow: str 
         if not np.isfinite(logits).all():
             raise LlmcError(f"accuracy: the engine's logits are not finite on held-back text"
                             f"{'; ' + overflow if overflow else ''}")
-        q = log_softmax(logits)
-        rows, targets = np.arange(len(window) - 1), window[1:]
-        nll_ref.append(-ref[rows, targets])
-        nll_q.append(-q[rows, targets])
-        agree.append(ref.argmax(-1) == q.argmax(-1))
-        kl.append(kl_divergence(ref, q))
+        for total, part in zip((nll_ref, nll_q, agree, kl), position_metrics(ref, log_softmax(logits), window[1:])):
+            total.append(part)
     ppl_ref, ppl_q = float(np.exp(np.concatenate(nll_ref).mean())), float(np.exp(np.concatenate(nll_q).mean()))
     return (int(sum(len(w) - 1 for w in windows)), (ppl_ref, ppl_q, 100.0 * (ppl_q / ppl_ref - 1.0)),
             float(np.concatenate(agree).mean()), float(np.concatenate(kl).mean()))
@@ -149,8 +145,8 @@ def added_errors(reference: bytes, model: onnx.ModelProto, windows: list[np.ndar
     divide a layer's input, and fold the divisor into another layer's output columns, by a
     per-channel scale, which is not an error."""
     values = sorted({v for pair in layers.values() for v in pair})
-    runs = [(_run_with_outputs(reference, values, w), _run_with_outputs(serialize(model)["model.onnx"], values, w))
-            for w in windows]
+    rewritten = serialize(model)["model.onnx"]
+    runs = [(_run_with_outputs(reference, values, w), _run_with_outputs(rewritten, values, w)) for w in windows]
 
     def error(name: str) -> float:
         exact = np.concatenate([f[name].reshape(-1, f[name].shape[-1]) for f, _ in runs]).astype(np.float64)
