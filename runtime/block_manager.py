@@ -115,6 +115,10 @@ class BlockManager:
         self.num_blocks, self.block_size, self.window = num_blocks, block_size, window
         self._ref = [0] * num_blocks
         self._fill = [0] * num_blocks  # token slots written (or about to be) in each block
+        # Kept in step with _ref and _fill (only _incref/_decref/_set_fill change those), so
+        # `stats` costs the same whatever the pool size.
+        self._in_use = 0  # blocks with _ref > 0
+        self._used_slots = 0  # sum of _fill over blocks with _ref > 0
         self._hash: list[bytes | None] = [None] * num_blocks  # set only while registered
         self._content: list[tuple[int, ...] | None] = [None] * num_blocks  # tokens, to verify hits
         self._by_hash: dict[bytes, int] = {}
@@ -154,13 +158,12 @@ class BlockManager:
 
     @property
     def stats(self) -> BlockStats:
-        in_use = [b for b in range(self.num_blocks) if self._ref[b]]
-        slots = len(in_use) * self.block_size
+        slots = self._in_use * self.block_size
         prompt, cached = self._prompt_tokens, self._cached_prompt_tokens
         return BlockStats(
-            num_blocks=self.num_blocks, blocks_in_use=len(in_use), free_blocks=self.num_free_blocks,
+            num_blocks=self.num_blocks, blocks_in_use=self._in_use, free_blocks=self.num_free_blocks,
             cached_free_blocks=len(self._cached_free),
-            utilization=sum(self._fill[b] for b in in_use) / slots if slots else 0.0,
+            utilization=self._used_slots / slots if slots else 0.0,
             prompt_tokens=prompt, cached_prompt_tokens=cached,
             prefix_hit_rate=cached / prompt if prompt else 0.0,
             evictions=self._evictions, copies=self._copies)
@@ -200,12 +203,12 @@ class BlockManager:
             block = self._by_hash[h]
             if self._ref[block] == 0:
                 del self._cached_free[block]
-            self._ref[block] += 1
+            self._incref(block)
             table.append(block)
         for _ in range(-(-len(tokens) // self.block_size) - hits):
             table.append(self._take_block())
         for i, block in enumerate(table):
-            self._fill[block] = min(self.block_size, len(tokens) - i * self.block_size)
+            self._set_fill(block, min(self.block_size, len(tokens) - i * self.block_size))
         cached = hits * self.block_size
         self._seqs[seq_id] = _Sequence(tokens, table, hashes, registered=hits, computed=cached)
         self._prompt_tokens += len(tokens)
@@ -238,13 +241,13 @@ class BlockManager:
         elif self._ref[seq.table[-1]] > 1:
             src = seq.table[-1]
             dst = self._take_block()
-            self._ref[src] -= 1
-            self._fill[dst] = self._fill[src]
+            self._decref(src)  # still held by the sequences it was shared with
+            self._set_fill(dst, self._fill[src])
             seq.table[-1] = dst
             copies.append((src, dst))
             self._copies += 1
         seq.tokens.append(token)
-        self._fill[seq.table[-1]] += 1
+        self._set_fill(seq.table[-1], self._fill[seq.table[-1]] + 1)
         if len(seq.tokens) % self.block_size == 0:
             parent = seq.hashes[-1] if seq.hashes else b""
             seq.hashes.append(_chain_hash(parent, seq.tokens[-self.block_size:]))
@@ -288,7 +291,7 @@ class BlockManager:
         if child_id in self._seqs:
             raise LlmcError(f"block manager: sequence {child_id!r} is already allocated")
         for block in parent.table[parent.released:]:
-            self._ref[block] += 1
+            self._incref(block)
         self._seqs[child_id] = _Sequence(list(parent.tokens), list(parent.table), list(parent.hashes),
                                          parent.registered, parent.computed, parent.released)
 
@@ -301,7 +304,7 @@ class BlockManager:
 
     def _release(self, block: int) -> None:
         """Drop one reference; a block no sequence holds joins its free queue."""
-        self._ref[block] -= 1
+        self._decref(block)
         if self._ref[block]:
             return
         if self._hash[block] is None:
@@ -371,5 +374,23 @@ class BlockManager:
             del self._by_hash[self._hash[block]]
             self._hash[block] = self._content[block] = None
             self._evictions += 1
-        self._ref[block], self._fill[block] = 1, 0
+        self._set_fill(block, 0)
+        self._incref(block)
         return block
+
+    def _incref(self, block: int) -> None:
+        if self._ref[block] == 0:
+            self._in_use += 1
+            self._used_slots += self._fill[block]
+        self._ref[block] += 1
+
+    def _decref(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            self._in_use -= 1
+            self._used_slots -= self._fill[block]
+
+    def _set_fill(self, block: int, fill: int) -> None:
+        if self._ref[block]:
+            self._used_slots += fill - self._fill[block]
+        self._fill[block] = fill

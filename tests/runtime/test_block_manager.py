@@ -15,6 +15,12 @@ def refs(manager):
     return [manager.ref_count(b) for b in range(manager.num_blocks)]
 
 
+def _recount(manager):
+    """blocks_in_use and the token slots they hold, counted from scratch over the whole pool."""
+    in_use = [b for b in range(manager.num_blocks) if manager.ref_count(b)]
+    return len(in_use), sum(manager._fill[b] for b in in_use)
+
+
 def test_fresh_pool_hands_out_ids_in_order():
     manager = BlockManager(num_blocks=6, block_size=4)
     assert manager.free_block_ids() == [0, 1, 2, 3, 4, 5]
@@ -353,11 +359,21 @@ class RandomRequests(RuleBasedStateMachine):
         assert 0.0 <= stats.prefix_hit_rate <= 1.0
         assert stats.blocks_in_use + stats.free_blocks == stats.num_blocks
 
+    @invariant()
+    def incremental_counters_match_a_recount(self):
+        # stats reads counters kept up to date by every operation instead of walking the pool.
+        in_use, slots = _recount(self.manager)
+        assert (self.manager._in_use, self.manager._used_slots) == (in_use, slots)
+        stats = self.manager.stats
+        assert stats.blocks_in_use == in_use
+        assert stats.utilization == (slots / (in_use * BLOCK_SIZE) if in_use else 0.0)
+
     def teardown(self):
         for seq in list(self.tokens):
             self.manager.free(seq)
         assert sorted(self.manager.free_block_ids()) == list(range(self.manager.num_blocks))
         assert refs(self.manager) == [0] * self.manager.num_blocks
+        assert _recount(self.manager) == (0, 0) == (self.manager._in_use, self.manager._used_slots)
 
 
 RandomRequests.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
