@@ -16,6 +16,8 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
+from llmc.errors import LlmcError, first_line
+
 # Version tag of the string written by `Tokenizer.to_json`, so a later format can be told apart.
 _JSON_FORMAT = "llmc-tokenizer/1"
 
@@ -49,7 +51,7 @@ class Tokenizer:
         all_eos = tuple(dict.fromkeys(i for i in (eos_id, *eos_ids) if i is not None))
         for field, value in (("bos_id", bos_id), ("eos_id", eos_id), *(("eos_ids", i) for i in all_eos)):
             if value is not None and not (isinstance(value, int) and 0 <= value < size):
-                raise ValueError(f"tokenizer {field}={value} is outside the vocabulary of size {size}")
+                raise LlmcError(f"tokenizer {field}={value} is outside the vocabulary of size {size}")
         self._inner = inner
         # Not part of tokenizers' own JSON, so it is re-applied from our flag on every load.
         self._inner.encode_special_tokens = split_special_tokens
@@ -112,26 +114,34 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_json(cls, s: str) -> Tokenizer:
+    def from_json(cls, s: str, source: str = "tokenizer JSON") -> Tokenizer:
         """Rebuild a tokenizer from a `to_json` string.
 
         Args:
             s: the string returned by `to_json`.
+            source: where the string came from (e.g. an engine file), to name in errors.
         """
         try:
             data = json.loads(s)
         except json.JSONDecodeError as e:
-            raise ValueError(f"tokenizer JSON is not valid JSON: {e}") from None
+            raise LlmcError(f"{source}: tokenizer JSON is not valid JSON: {e}") from None
         if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
-            raise ValueError(f"tokenizer JSON is not in the {_JSON_FORMAT!r} format")
-        return cls(
-            tokenizers.Tokenizer.from_str(json.dumps(data["tokenizer"])),
-            bos_id=data.get("bos_id"),
-            eos_id=data.get("eos_id"),
-            eos_ids=data.get("eos_ids") or (),  # absent from JSON written before several EOS ids
-            add_bos=bool(data.get("add_bos", False)),
-            split_special_tokens=bool(data.get("split_special_tokens", False)),
-        )
+            raise LlmcError(f"{source}: tokenizer JSON is not in the {_JSON_FORMAT!r} format")
+        try:
+            inner = tokenizers.Tokenizer.from_str(json.dumps(data.get("tokenizer")))
+        except Exception as e:  # tokenizers raises its own Exception subclass
+            raise LlmcError(f"{source}: the tokenizer could not be read: {first_line(e)}") from None
+        try:
+            return cls(
+                inner,
+                bos_id=data.get("bos_id"),
+                eos_id=data.get("eos_id"),
+                eos_ids=data.get("eos_ids") or (),  # absent from JSON written before several EOS ids
+                add_bos=bool(data.get("add_bos", False)),
+                split_special_tokens=bool(data.get("split_special_tokens", False)),
+            )
+        except (LlmcError, TypeError) as e:  # TypeError: eos_ids not a list
+            raise LlmcError(f"{source}: {first_line(e)}") from None
 
     @classmethod
     def from_folder(cls, path: str | Path) -> Tokenizer:
@@ -148,11 +158,11 @@ class Tokenizer:
         folder = Path(path)
         tok_file = folder / "tokenizer.json"
         if not tok_file.is_file():
-            raise ValueError(f"no tokenizer.json in {folder}")
+            raise LlmcError(f"no tokenizer.json in {folder}")
         try:
             inner = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as e:  # tokenizers raises its own Exception subclass
-            raise ValueError(f"{tok_file} could not be read: {e}") from None
+            raise LlmcError(f"{tok_file} could not be read: {first_line(e)}") from None
         tok_config = _read_json_if_exists(folder / "tokenizer_config.json")
         model_config = _read_json_if_exists(folder / "config.json")
 
@@ -177,11 +187,14 @@ class Tokenizer:
                 add_bos=add_bos,
                 split_special_tokens=bool(tok_config.get("split_special_tokens", False)),
             )
-        except ValueError as e:
-            raise ValueError(f"{folder}: {e}") from None
+        except LlmcError as e:
+            raise LlmcError(f"{folder}: {e}") from None
 
     def save(self, folder: str | Path) -> None:
         """Write `tokenizer.json` and `tokenizer_config.json` so `from_folder` reloads this tokenizer.
+
+        EOS ids beyond `eos_id` go into `generation_config.json`'s `eos_token_id`, the rest of an
+        existing file kept.
 
         Args:
             folder: destination folder, created if missing.
@@ -197,6 +210,10 @@ class Tokenizer:
             if token_id is not None:
                 config[key] = self._inner.id_to_token(token_id)
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.eos_ids != (() if self.eos_id is None else (self.eos_id,)):
+            generation = _read_json_if_exists(out / "generation_config.json")
+            generation["eos_token_id"] = list(self.eos_ids)
+            (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def byte_level_tokenizer() -> Tokenizer:
@@ -238,11 +255,13 @@ def _read_json_if_exists(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise LlmcError(f"{path} is not UTF-8 text") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise LlmcError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
+        raise LlmcError(f"{path} does not hold a JSON object")
     return data
 
 
@@ -251,7 +270,7 @@ def _id_list(config: dict[str, Any], path: Path) -> list[int]:
     value = config.get("eos_token_id")
     values = value if isinstance(value, list) else [] if value is None else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise ValueError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
+        raise LlmcError(f"{path}: eos_token_id must be an int or a list of ints, got {value!r}")
     return values
 
 
@@ -270,12 +289,12 @@ def _special_id(
     if isinstance(token, str):
         token_id = inner.token_to_id(token)
         if token_id is None:
-            raise ValueError(f"{folder / 'tokenizer_config.json'}: {token_key} {token!r} is not in tokenizer.json")
+            raise LlmcError(f"{folder / 'tokenizer_config.json'}: {token_key} {token!r} is not in tokenizer.json")
         return token_id
     value = model_config.get(id_key)
     if isinstance(value, list):
         # Several stop ids (e.g. Llama 3); the first one is the primary EOS.
         value = value[0] if value else None
     if value is not None and not isinstance(value, int):
-        raise ValueError(f"{folder / 'config.json'}: {id_key} must be an int, got {value!r}")
+        raise LlmcError(f"{folder / 'config.json'}: {id_key} must be an int, got {value!r}")
     return value

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+from llmc.errors import LlmcError
 from llmc.models import Tokenizer, byte_level_tokenizer
 
 TEXTS = [
@@ -48,9 +49,9 @@ def test_json_round_trip_keeps_everything() -> None:
 
 
 def test_from_json_rejects_garbage() -> None:
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(LlmcError, match="not valid JSON"):
         Tokenizer.from_json("{nope")
-    with pytest.raises(ValueError, match="format"):
+    with pytest.raises(LlmcError, match="format"):
         Tokenizer.from_json(json.dumps({"tokenizer": {}}))
 
 
@@ -81,11 +82,11 @@ def test_from_folder_detects_bos_added_by_post_processor(tmp_path: Path) -> None
 
 
 def test_from_folder_errors(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=f"no tokenizer.json in {tmp_path}"):
+    with pytest.raises(LlmcError, match=f"no tokenizer.json in {tmp_path}"):
         Tokenizer.from_folder(tmp_path)
     byte_level_tokenizer().save(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>"}))
-    with pytest.raises(ValueError, match="tokenizer_config.json.*'<bos>'"):
+    with pytest.raises(LlmcError, match="tokenizer_config.json.*'<bos>'"):
         Tokenizer.from_folder(tmp_path)
 
 
@@ -98,7 +99,7 @@ def test_eos_ids_come_from_config_and_generation_config(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
     assert Tokenizer.from_folder(tmp_path).eos_ids == (257, 10, 5)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
-    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be an int or a list"):
+    with pytest.raises(LlmcError, match="generation_config.json: eos_token_id must be an int or a list"):
         Tokenizer.from_folder(tmp_path)
 
 
@@ -109,5 +110,48 @@ def test_eos_ids_survive_json_and_old_json_still_loads() -> None:
     old = json.loads(tok.to_json())
     del old["eos_ids"]  # the format before several EOS ids
     assert Tokenizer.from_json(json.dumps(old)).eos_ids == (257,)
-    with pytest.raises(ValueError, match="eos_ids=300 is outside the vocabulary"):
+    with pytest.raises(LlmcError, match="eos_ids=300 is outside the vocabulary"):
         Tokenizer(tok.inner, eos_id=257, eos_ids=(300,))
+
+
+def test_every_eos_id_of_a_folder_is_kept_through_json_and_save(tmp_path: Path) -> None:
+    # As Llama 3 ships: tokenizer_config.json names one EOS token, config.json holds one id and
+    # generation_config.json lists several.
+    byte_level_tokenizer().save(tmp_path / "src")  # eos_token </s> = 257
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"eos_token_id": 40}))
+    (tmp_path / "src" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [41, 257, 42], "temperature": 0.6}))
+    tok = Tokenizer.from_folder(tmp_path / "src")
+    assert (tok.eos_id, tok.eos_ids) == (257, (257, 40, 41, 42))
+    again = Tokenizer.from_json(tok.to_json())
+    assert (again.eos_id, again.eos_ids) == (257, (257, 40, 41, 42))
+    tok.save(tmp_path / "copy")  # no config.json there: generation_config.json carries them all
+    assert Tokenizer.from_folder(tmp_path / "copy").eos_ids == (257, 40, 41, 42)
+    tok.save(tmp_path / "src")  # an existing generation_config.json keeps its other settings
+    assert json.loads((tmp_path / "src" / "generation_config.json").read_text()) == {
+        "eos_token_id": [257, 40, 41, 42], "temperature": 0.6}
+    byte_level_tokenizer().save(tmp_path / "one")  # a single EOS writes no generation_config.json
+    assert not (tmp_path / "one" / "generation_config.json").exists()
+
+
+def test_bad_files_and_json_are_user_errors_naming_their_source(tmp_path: Path) -> None:
+    byte_level_tokenizer().save(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff{}")
+    with pytest.raises(LlmcError, match="config.json is not UTF-8 text"):
+        Tokenizer.from_folder(tmp_path)
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(LlmcError, match="config.json does not hold a JSON object"):
+        Tokenizer.from_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 999}))
+    with pytest.raises(LlmcError, match=f"{tmp_path}: tokenizer eos_ids=999 is outside the vocabulary"):
+        Tokenizer.from_folder(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(LlmcError, match="tokenizer.json could not be read"):
+        Tokenizer.from_folder(tmp_path)
+    good = json.loads(byte_level_tokenizer().to_json())
+    with pytest.raises(LlmcError, match="^engine.plan: tokenizer JSON is not valid JSON"):
+        Tokenizer.from_json("{", source="engine.plan")
+    with pytest.raises(LlmcError, match="^engine.plan: the tokenizer could not be read"):
+        Tokenizer.from_json(json.dumps({**good, "tokenizer": {}}), source="engine.plan")
+    with pytest.raises(LlmcError, match="^tokenizer JSON: "):
+        Tokenizer.from_json(json.dumps({**good, "eos_ids": 7}))
