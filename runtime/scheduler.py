@@ -10,8 +10,9 @@ Every step packs, under a token budget and a cap on sequences:
 When a running request needs a block for its next token and the pool is empty, the scheduler
 preempts by recompute: the lowest-ranked running request (the newest under FIFO) gives back all
 its blocks and returns to the front of the queue with its output so far, to be prefilled again
-later. Nothing is lost or corrupted; it only costs recomputation. Blocks are touched only
-through the block manager.
+later. Nothing is lost or corrupted; it only costs recomputation. A preempted request leaves the
+step it was packed in, and a step that preempts admits no one. Blocks are touched only through
+the block manager.
 """
 
 from __future__ import annotations
@@ -174,9 +175,20 @@ class Scheduler:
                     # soon; a prompt in prefill sits out such a step, but never two in a row.
                     deferred.add(request.request_id)
                     continue
-                if not self._make_room(request):
-                    preempted = True
-                    continue
+                if decoding:
+                    if budget == 0:
+                        continue  # no slot without a chunk: its copies would not be performed
+                    # Only a decode needs a new slot (a prompt holds slots for all its tokens
+                    # from admission on), so preemption happens in this first pass, before any
+                    # prompt is packed. A victim leaves the step: its decode goes, and the token
+                    # it took comes back. And a step that preempts admits no one: the victim
+                    # would come back at once, only to be preempted again.
+                    victims = self._make_room(request)
+                    preempted = preempted or bool(victims)
+                    budget += sum(c.count for c in chunks if c.request in victims)
+                    chunks = [c for c in chunks if c.request not in victims]
+                    if request in victims:
+                        continue
                 count = min(self._remaining(request), budget, 1 if decoding else self._chunk(request, prefill))
                 sliver = not decoding and count < min(QUERY_FLOOR, self._remaining(request)) \
                     and prefill < (self.config.max_prefill_tokens or self.config.max_num_batched_tokens)
@@ -221,11 +233,12 @@ class Scheduler:
             budget -= count
         return chunks
 
-    def _make_room(self, request: Request) -> bool:
+    def _make_room(self, request: Request) -> list[Request]:
         """Give the request a slot for its newest token, preempting others if needed.
 
-        Returns False when the request itself had to be preempted.
+        Returns the requests preempted, the request itself last when it had to be.
         """
+        victims = []
         while self.blocks.num_tokens(request.request_id) < len(request.token_ids):
             if self.blocks.can_append(request.request_id):
                 token = request.token_ids[self.blocks.num_tokens(request.request_id)]
@@ -233,9 +246,10 @@ class Scheduler:
                 continue
             victim = max(self.running, key=self._preemption_rank)
             self._preempt(victim)
+            victims.append(victim)
             if victim is request:
-                return False
-        return True
+                break
+        return victims
 
     def _preemption_rank(self, request: Request) -> tuple:
         # FIFO preempts the newest; priority the least important, then the newest.
@@ -244,6 +258,12 @@ class Scheduler:
         return request.rank()
 
     def _preempt(self, request: Request) -> None:
+        # Its queued copy-on-write copies go too, so that every copy lands in a block that a
+        # chunk of the step uses. Kept, they would be wasted but harmless: copies run in order
+        # before the step, so a freed block taken again in this step gets its new owner's copy
+        # or writes after the stale one.
+        held = set(self.blocks.block_table(request.request_id))
+        self.copies = [(src, dst) for src, dst in self.copies if dst not in held]
         self.running.remove(request)
         self.blocks.free(request.request_id)
         request.num_computed = 0

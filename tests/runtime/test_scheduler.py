@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from llmc.errors import LlmcError
 from llmc.runtime.block_manager import BlockManager
@@ -23,23 +24,45 @@ def simulate(requests, config, num_blocks, block_size, max_steps=10_000):
         steps += 1
         assert steps < max_steps, "no progress"
         chunks = scheduler.schedule(now=float(steps))
-        assert sum(c.count for c in chunks) <= config.max_num_batched_tokens
-        assert len(chunks) <= config.max_num_seqs
-        assert len({id(c.request) for c in chunks}) == len(chunks)
-        for block in range(num_blocks):
-            assert blocks.ref_count(block) >= 0
-        for chunk in chunks:
-            request = chunk.request
-            assert chunk.start == request.num_computed and chunk.count > 0
-            request.num_computed += chunk.count
-            blocks.mark_computed(request.request_id, request.num_computed)
-            if request.num_computed == len(request.token_ids):
-                request.output_ids.append(7)
-                if len(request.output_ids) == request.params.max_new_tokens:
-                    scheduler.finish(request, "length")
-                    finished_order.append(request.request_id)
+        check_step(scheduler, chunks)
+        finished_order += run_step(scheduler, chunks)
     assert blocks.num_free_blocks == num_blocks  # nothing leaked
     return scheduler, finished_order
+
+
+def check_step(scheduler, chunks):
+    """What a step's chunks must satisfy for the engine to run them."""
+    config, blocks = scheduler.config, scheduler.blocks
+    assert sum(c.count for c in chunks) <= config.max_num_batched_tokens
+    # A one-token chunk ending its sequence may be a decode; every other chunk is prompt.
+    prompt = sum(c.count for c in chunks if c.count > 1 or c.start + 1 < len(c.request.token_ids))
+    assert prompt <= (config.max_prefill_tokens or config.max_num_batched_tokens)
+    assert len(chunks) <= len(scheduler.running) <= config.max_num_seqs
+    assert len({id(c.request) for c in chunks}) == len(chunks)
+    for chunk in chunks:
+        request = chunk.request
+        assert request in scheduler.running and request.request_id in blocks
+        assert chunk.start == request.num_computed and chunk.count > 0
+        assert blocks.num_tokens(request.request_id) >= chunk.start + chunk.count
+        assert len(blocks.block_table(request.request_id)) * blocks.block_size >= chunk.start + chunk.count
+    for block in range(blocks.num_blocks):
+        assert blocks.ref_count(block) >= 0
+
+
+def run_step(scheduler, chunks):
+    """The engine's execute and postprocess, with a fake model emitting token 7; returns the ids
+    of the requests that finished."""
+    finished = []
+    for chunk in chunks:
+        request = chunk.request
+        request.num_computed += chunk.count
+        scheduler.blocks.mark_computed(request.request_id, request.num_computed)
+        if request.num_computed == len(request.token_ids):
+            request.output_ids.append(7)
+            if len(request.output_ids) == request.params.max_new_tokens:
+                scheduler.finish(request, "length")
+                finished.append(request.request_id)
+    return finished
 
 
 @settings(max_examples=60, deadline=None)
@@ -92,6 +115,34 @@ def test_preemption_returns_the_newest_request_to_the_queue_whole():
     scheduler, order = simulate([a, b], SchedulerConfig(max_num_seqs=2), num_blocks=4, block_size=4)
     assert scheduler.preemptions > 0
     assert order == ["a", "b"] and len(a.output_ids) == len(b.output_ids) == 8
+
+
+def test_a_request_preempted_later_in_a_step_leaves_it():
+    # Priority: "lo" is admitted first, so it decodes first in each step; "hi" comes after it.
+    # Pool: 3 blocks of 4. At the third step lo's token fits its block, but hi's ninth token needs
+    # a new block: hi preempts lo, whose decode was already packed in that step.
+    blocks = BlockManager(3, 4)
+    scheduler = Scheduler(SchedulerConfig(policy="priority"), blocks)
+    lo = Request("lo", [1, 2], SamplingParams(max_new_tokens=4), priority=5, arrival=0.0)
+    hi = Request("hi", list(range(11, 19)), SamplingParams(max_new_tokens=4), priority=0, arrival=1.0)
+    scheduler.add(lo)
+    run_step(scheduler, scheduler.schedule(now=0.0))
+    scheduler.add(hi)
+    second = scheduler.schedule(now=1.0)
+    assert [(c.request.request_id, c.start, c.count) for c in second] == [("lo", 2, 1), ("hi", 0, 8)]
+    run_step(scheduler, second)
+    third = scheduler.schedule(now=2.0)
+    assert scheduler.preemptions == 1 and scheduler.waiting == [lo] and lo.output_ids == [7, 7]
+    assert [(c.request.request_id, c.start, c.count) for c in third] == [("hi", 8, 1)]
+    check_step(scheduler, third)
+    run_step(scheduler, third)
+    for step in range(3, 50):
+        if not scheduler.has_unfinished():
+            break
+        chunks = scheduler.schedule(now=float(step))
+        check_step(scheduler, chunks)
+        run_step(scheduler, chunks)
+    assert lo.output_ids == hi.output_ids == [7] * 4 and blocks.num_free_blocks == 3
 
 
 def test_max_wait_holds_admission_until_the_oldest_has_waited():
@@ -187,3 +238,89 @@ def test_deep_in_a_long_prompt_its_chunk_shrinks_while_others_run_and_slivers_wa
     # Beside the short one's decode, the long prompt's chunk is 128 · 512 / 1,024 tokens.
     chunks = scheduler.schedule(now=2.0)
     assert [(c.request.request_id, c.count) for c in chunks] == [("short", 1), ("long", 64)]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Requests arrive, are aborted and run under either policy, with admission held for a
+    simulated clock and a pool so small that preemption is common."""
+
+    @initialize(data=st.data(), policy=st.sampled_from(["fifo", "priority"]),
+                max_wait_ms=st.sampled_from([0.0, 3.0]), seats=st.integers(1, 4), budget=st.integers(1, 24),
+                prefill=st.sampled_from([None, 4, 16]), num_blocks=st.integers(2, 8),
+                block_size=st.sampled_from([1, 2, 4]), arrivals=st.integers(1, 6))
+    def setup(self, data, policy, max_wait_ms, seats, budget, prefill, num_blocks, block_size, arrivals):
+        config = SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=budget, policy=policy,
+                                 max_wait_ms=max_wait_ms, max_prefill_tokens=prefill)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.now, self.requests, self.outputs = 0.0, [], {}
+        for _ in range(arrivals):
+            self.add(data, data.draw(st.integers(0, 2)), data.draw(st.booleans()))
+
+    @rule(data=st.data(), priority=st.integers(0, 2), shared=st.booleans())
+    def add(self, data, priority, shared):
+        # A request's slots (its prompt and all its tokens but the last) fit the pool: alone, it
+        # finishes. Prompts are short or near the pool's size; shared ones start alike, so that
+        # prefix-cache hits take part.
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        prompt = data.draw(st.integers(1, max(1, capacity // 3)) | st.integers(max(1, capacity - 3), capacity))
+        new = data.draw(st.integers(1, min(8, capacity - prompt + 1)))
+        first = 1 if shared else 100 * (len(self.requests) + 1)
+        request = Request(f"r{len(self.requests)}", list(range(first, first + prompt)),
+                          SamplingParams(max_new_tokens=new), priority=priority, arrival=self.now)
+        self.requests.append(request)
+        self.scheduler.add(request)
+
+    @rule(index=st.integers(0, 99))
+    def abort(self, index):
+        pending = self.scheduler.waiting + self.scheduler.running
+        if not pending:
+            return
+        request = pending[index % len(pending)]
+        assert self.scheduler.abort(request.request_id) is request
+        assert request.status is Status.FINISHED and request.request_id not in self.blocks
+
+    @rule(ms=st.sampled_from([0, 1, 2, 5]), steps=st.integers(1, 3))
+    def step(self, ms, steps=1):
+        for _ in range(steps):
+            self.now += ms / 1000
+            chunks = self.scheduler.schedule(now=self.now)
+            check_step(self.scheduler, chunks)
+            run_step(self.scheduler, chunks)
+            self.consistent()
+
+    @invariant()
+    def consistent(self):
+        scheduler, blocks = self.scheduler, self.blocks
+        assert len(scheduler.running) <= scheduler.config.max_num_seqs
+        for request in scheduler.running:
+            assert request.status is Status.RUNNING
+            assert blocks.num_tokens(request.request_id) >= request.num_computed
+        for request in scheduler.waiting:  # preempted ones included: they hold no block
+            assert request.status is Status.WAITING and request.request_id not in blocks
+        stats = blocks.stats
+        assert all(blocks.ref_count(b) >= 0 for b in range(blocks.num_blocks))
+        assert stats.blocks_in_use + stats.free_blocks == blocks.num_blocks
+        if not scheduler.running:
+            assert blocks.num_free_blocks == blocks.num_blocks
+        for request in self.requests:  # output is never lost, preempted or not
+            seen = self.outputs.get(request, [])
+            assert request.output_ids[:len(seen)] == seen
+            self.outputs[request] = list(request.output_ids)
+
+    def teardown(self):
+        # Without new arrivals every request finishes within a bound: none starves, under either
+        # policy, and every block comes back.
+        if not hasattr(self, "scheduler"):
+            return
+        for _ in range(1000):
+            if not self.scheduler.has_unfinished():
+                break
+            self.step(1)
+        assert not self.scheduler.has_unfinished() and self.blocks.num_free_blocks == self.blocks.num_blocks
+        for request in self.requests:
+            assert request.finish_reason == "abort" or len(request.output_ids) == request.params.max_new_tokens
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
+test_scheduler_machine = SchedulerMachine.TestCase
