@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from llmc.compiler.engine_file import read_engine
 from llmc.errors import LlmcError
-from llmc.plugins.paged_attention import PagedBatch
-from llmc.tokenizer import Tokenizer
 from llmc.runtime.backends.onnxruntime import OnnxRuntimeDecoder
-from llmc.runtime.contiguous_generation import TokenEvent, generate_tokens
-from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
+from llmc.runtime.contiguous_generation import generate_tokens
+from llmc.runtime.detokenizer import IncrementalText
+from llmc.runtime.engine import Engine, RequestOutput, encode_prompt, load_engine_file, load_tokenizer
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -40,42 +38,40 @@ class StreamChunk:
 
 
 class LLM:
-    """An engine loaded for generation.
+    """An engine loaded for generation: a synchronous driver of one `Engine` (paged engines) or of
+    the contiguous reference loop (engines compiled with --no-paged).
 
     Args:
         engine_path: a file written by `llmc compile`.
         threads: CPU threads for the backend; None uses every core.
+        config: scheduling limits of a paged engine; default from its max batch.
     """
 
-    def __init__(self, engine_path: str | os.PathLike, threads: int | None = None):
-        self.path = Path(engine_path)
-        engine = read_engine(engine_path)
-        if engine.manifest.get("backend") != "onnxruntime":
-            raise LlmcError(f"{engine_path}: backend '{engine.manifest.get('backend')}' cannot run "
-                            "here; this build of llmc runs onnxruntime engines")
-        self.manifest = engine.manifest
-        self.tokenizer = Tokenizer.from_json(bytes(engine.sections["tokenizer.json"]).decode())
-        paged = engine.manifest.get("paged")
-        self._decoder = None if paged else OnnxRuntimeDecoder(engine, threads)
-        self.paged_decoder = paged and PagedDecoder.from_engine(engine, threads)
-        self.max_seq_len = paged["max_seq_len"] if paged else self._decoder.geometry.max_positions
+    def __init__(self, engine_path: str | os.PathLike, threads: int | None = None,
+                 config: SchedulerConfig | None = None):
+        engine = load_engine_file(engine_path)
+        self.path, self.manifest = engine.path, engine.manifest
+        if engine.manifest.paged is not None:
+            self.engine: Engine | None = Engine(engine, config, threads)
+            self.tokenizer, self.max_seq_len = self.engine.tokenizer, self.engine.max_seq_len
+            self._contiguous = None
+        else:
+            self.engine = None
+            self.tokenizer = load_tokenizer(engine)
+            self._contiguous = OnnxRuntimeDecoder(engine, threads)
+            self.max_seq_len = self.manifest.geometry.max_positions
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """[tokens, vocab] logits at every position of one sequence, computed from scratch
         (accuracy checks: perplexity, agreement with a reference)."""
+        if self.engine is not None:
+            return self.engine.logits(token_ids)
         ids = np.asarray(token_ids, np.int64)
         if not 0 < len(ids) <= self.max_seq_len:
             raise LlmcError(f"logits: {len(ids)} tokens; this engine takes 1 to {self.max_seq_len}")
         positions = np.arange(len(ids))
-        if self.paged_decoder:
-            decoder = self.paged_decoder
-            blocks = -(-len(ids) // decoder.block_size)
-            batch = PagedBatch(np.arange(blocks)[None], np.zeros(1, np.int64), np.array([0, len(ids)]))
-            # A fresh sequence in the pool's first blocks: only Engine hands out blocks, and it
-            # is not running on this decoder while this call is.
-            return decoder.step(ids, positions, batch, rows=positions)
-        cache = self._decoder.empty_cache(1)
-        logits, _ = self._decoder.step(ids[None], np.ones((1, len(ids)), np.int64), positions[None], cache)
+        cache = self._contiguous.empty_cache(1)
+        logits, _ = self._contiguous.step(ids[None], np.ones((1, len(ids)), np.int64), positions[None], cache)
         return logits[0]
 
     def generate(self, prompts: str | Sequence[str],
@@ -91,53 +87,66 @@ class LLM:
             return []
         params = self._params_per_prompt(params, len(prompts))
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
-        outputs: list[list[int]] = [[] for _ in prompts]
+        tokens: list[list[int]] = [[] for _ in prompts]
+        texts = [""] * len(prompts)
         reasons = [""] * len(prompts)
-        for event in self._generate(ids, params):
-            outputs[event.index].append(event.token_id)
-            reasons[event.index] = event.finish_reason or ""
-        return [Completion(prompt, self.tokenizer.decode(out), out, prompt_ids, reason)
-                for prompt, out, prompt_ids, reason in zip(prompts, outputs, ids, reasons)]
+        for index, output in self._outputs(ids, params):
+            tokens[index] += output.new_token_ids
+            texts[index] += output.text
+            reasons[index] = output.finish_reason or ""
+        return [Completion(*fields) for fields in zip(prompts, texts, tokens, ids, reasons)]
 
     def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         """Generate for one prompt, yielding each token with the text it completes.
 
-        Text is held back while it ends inside a multi-byte character, so every chunk is valid.
+        Text is held back while it may end inside a multi-byte character or a stop string, so every
+        chunk is valid and no chunk shows text a stop string later removes.
         """
         params = self._params_per_prompt(params, 1)
-        tokens: list[int] = []
-        shown = ""
-        for event in self._generate([self.encode(prompt, 0)], params):
-            tokens.append(event.token_id)
-            text = self.tokenizer.decode(tokens)
-            if text.endswith("\ufffd") and event.finish_reason is None:
-                yield StreamChunk(event.token_id, "", None)
-                continue
-            yield StreamChunk(event.token_id, text[len(shown):], event.finish_reason)
-            shown = text
+        for _, output in self._outputs([self.encode(prompt, 0)], params):
+            yield StreamChunk(output.new_token_ids[0] if output.new_token_ids else -1, output.text,
+                              output.finish_reason)
 
     def encode(self, prompt: str, index: int = 0) -> list[int]:
         """Tokenize a prompt, checking it fits the model; `index` names it in errors."""
-        ids = self.tokenizer.encode(prompt)
-        if not ids:
-            raise LlmcError(f"prompt {index}: empty after tokenization")
-        if len(ids) >= self.max_seq_len:
-            raise LlmcError(f"prompt {index}: {len(ids)} tokens leave no room in the engine's "
-                            f"{self.max_seq_len} positions")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, self.max_seq_len, index)
 
-    def _generate(self, ids: list[list[int]], params: list[SamplingParams]) -> Iterator[TokenEvent]:
-        """Token events from the continuous-batching engine (paged engines) or the dense loop."""
-        if not self.paged_decoder:
-            yield from generate_tokens(self._decoder, ids, params, self.tokenizer.eos_ids)
+    def _outputs(self, ids: list[list[int]], params: list[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) until every prompt is finished; raises the error a request
+        failed with. Leaving early aborts the requests still running."""
+        if self.engine is None:
+            yield from self._contiguous_outputs(ids, params)
             return
-        from llmc.runtime.engine import Engine
+        engine = self.engine
+        index = {engine.add(engine.request(prompt, p)): i for i, (prompt, p) in enumerate(zip(ids, params))}
+        unfinished = set(index)
+        try:
+            while unfinished:
+                for output in engine.step():
+                    if output.error is not None:
+                        raise output.error
+                    if output.finished:
+                        unfinished.discard(output.request_id)
+                    yield index[output.request_id], output
+        finally:
+            for request_id in unfinished:
+                engine.abort(request_id)
 
-        engine = Engine(self)
-        index = {engine.add_request(prompt, p): i for i, (prompt, p) in enumerate(zip(ids, params))}
-        while engine.has_unfinished():
-            for output in engine.step():
-                yield TokenEvent(index[output.request_id], output.new_token_ids[0], output.finish_reason)
+    def _contiguous_outputs(self, ids: list[list[int]], params: list[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
+        texts = [IncrementalText(self.tokenizer, prompt, p.stop) for prompt, p in zip(ids, params)]
+        stopped: set[int] = set()
+        for event in generate_tokens(self._contiguous, ids, params, self.tokenizer.eos_ids):
+            if event.index in stopped:
+                continue  # a stop string ended it; the batch loop does not know stop strings
+            text = texts[event.index]
+            delta, hit = text.add(event.token_id)
+            reason = "stop" if hit else event.finish_reason
+            if reason is not None:
+                stopped.add(event.index)
+                delta += "" if hit else text.flush()
+            yield event.index, RequestOutput(str(event.index), [event.token_id], delta, reason is not None, reason)
+            if len(stopped) == len(ids):
+                return
 
     @staticmethod
     def _params_per_prompt(params, count: int) -> list[SamplingParams]:

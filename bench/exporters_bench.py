@@ -62,7 +62,7 @@ def reference_greedy(model, prompt_ids: list[int]) -> list[int]:
 def decode_latency(raw: onnx.ModelProto, optimized: onnx.ModelProto, threads: int) -> tuple[float, float]:
     """Median ms of one decode step for the raw and the optimized graph, rounds alternating."""
     from llmc.compiler.compare import seeded_feeds
-    from llmc.compiler.onnx_io import serialize
+    from llmc.formats.onnx_io import serialize
 
     feeds = seeded_feeds(raw, batch=1, seq=1, past=DECODE_PAST)
     sessions = []

@@ -46,7 +46,7 @@ from optimize_bench import DEFAULT_WORK_DIR, ModelSpec, _cpu_name, _git_state, _
 
 from llmc.compiler.build import compile_model, find_tokenizer  # noqa: E402
 from llmc.compiler.export import export  # noqa: E402
-from llmc.compiler.onnx_io import load_onnx  # noqa: E402
+from llmc.formats.onnx_io import load_onnx  # noqa: E402
 from llmc.compiler.paged_engine import PagedOptions  # noqa: E402
 from llmc.compiler.pipeline import optimize_file  # noqa: E402
 from llmc.llm import LLM  # noqa: E402

@@ -162,9 +162,9 @@ def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seat
     from llmc.runtime.engine import Engine, SchedulerConfig
 
     config = SchedulerConfig(max_num_seqs=seats) if seats else None  # None: the engine's max batch
-    engine = Engine.from_file(engine_path, config, threads=threads)
+    engine = Engine(engine_path, config, threads=threads)
     run_workload(engine, [BenchRequest(workload[0].prompt[:16], 4)])  # warm-up
-    engine = Engine.from_file(engine_path, config, threads=threads)  # fresh counters
+    engine = Engine(engine_path, config, threads=threads)  # fresh counters
     done = 0
 
     def progress(tokens: int) -> None:
@@ -232,7 +232,7 @@ def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[
     from llmc.runtime.engine import Engine
 
     def short_ttfts(workload: list[BenchRequest], skip: int) -> tuple[dict[str, Any], list[float]]:
-        engine = Engine.from_file(engine_path, threads=threads)
+        engine = Engine(engine_path, threads=threads)
         run_workload(engine, [BenchRequest(workload[-1].prompt[:16], 2)])  # warm-up
         result = run_workload(engine, workload)
         records = result.records[skip:]

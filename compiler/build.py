@@ -17,11 +17,12 @@ from typing import Any, Callable, Iterable
 import onnx
 
 import llmc
-from llmc.compiler.decoder_interface import recognize_decoder
+from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.engine_checks import check_against_source, check_engine_graph, unfused_attention
-from llmc.compiler.engine_file import write_engine
-from llmc.compiler.onnx_io import is_large, load_onnx, serialize, validate, write_model_files
+from llmc.formats.engine_file import write_engine
+from llmc.formats.onnx_io import is_large, load_onnx, serialize, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
+from llmc.compiler.segments import cut_segments
 from llmc.precision.gate import check_accuracy, general_text_windows
 from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.linears import linear_layers
@@ -129,6 +130,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     # model's weights are never all in memory.
     with tempfile.TemporaryDirectory(prefix=".llmc-", dir=output.parent) as folder:
         payload = write_model_files(model, folder)
+        if paged_entry is not None:
+            paged_entry["segments"], payload = cut_segments(payload)
         write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
     if large:
         progress(f"wrote {output.name} ({output.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")

@@ -10,15 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import os
-import tempfile
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from llmc.compiler.onnx_io import serialize
-from llmc.runtime.backends.onnxruntime import open_session
+from llmc.formats.onnx_io import serialize
+from llmc.formats.sessions import open_session
 
 _BATCH, _SEQ, _PAST = 2, 5, 3
 
@@ -118,9 +117,7 @@ def _declared_rank_shape(tensor: onnx.TypeProto.Tensor, array: np.ndarray) -> tu
 
 def run_onnx(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Run `model` with onnxruntime on CPU, with its own graph optimizations off."""
-    files = serialize(model)
-    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
-        return _run(open_session(files, folder, _unoptimized()), feeds)
+    return _run(open_session(serialize(model), _unoptimized()), feeds)
 
 
 def run_onnx_file(path: str | os.PathLike, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from llmc.compiler.compare import compare_outputs, run_onnx, run_onnx_file, seeded_feeds
-from llmc.compiler.onnx_io import check_model, infer_shapes, is_large, load_onnx
+from llmc.formats.onnx_io import check_model, infer_shapes, is_large, load_onnx
 from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError, first_line
 from llmc.plugins.paged_attention_onnx import register

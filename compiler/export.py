@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
-from llmc.compiler.decoder_interface import Geometry, geometry_metadata
-from llmc.compiler.onnx_io import save_ir_model
+from llmc.formats.decoder_interface import Geometry, geometry_metadata
+from llmc.formats.onnx_io import save_ir_model
 from llmc.models import LoadedModel, load_model
 
 # Example sizes for tracing: 0 and 1 would be specialized by torch.export, so use larger ones.

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from llmc.compiler.onnx_io import load_onnx
+from llmc.formats.onnx_io import load_onnx
 
 
 def summarize(path: str | os.PathLike) -> dict:

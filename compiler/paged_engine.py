@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import onnx
 
-from llmc.compiler.decoder_interface import DecoderInterface
+from llmc.formats.decoder_interface import DecoderInterface
 from llmc.errors import LlmcError
 from llmc.passes.lower_paged_attention import LowerPagedAttention
 from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE

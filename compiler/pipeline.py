@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import onnx
 
 from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
-from llmc.compiler.onnx_io import (check_model, infer_shapes, load_onnx, save_onnx, validate,
+from llmc.formats.onnx_io import (check_model, infer_shapes, load_onnx, save_onnx, validate,
                                    write_text_atomic)
 from llmc.errors import LlmcError, first_line
 from llmc.passes.base import Pass

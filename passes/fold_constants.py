@@ -25,7 +25,7 @@ import onnx
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
-from llmc.compiler.onnx_io import tensor_array
+from llmc.formats.onnx_io import tensor_array
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.graph import DEFAULT_DOMAINS, Graph, NONDETERMINISTIC_OPS, Rewrite
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from llmc.compiler.onnx_io import is_large, make_initializer, tensor_array
+from llmc.formats.onnx_io import is_large, make_initializer, tensor_array
 
 # Ops whose outputs differ from run to run: never folded or merged. Dropout is random when its
 # training_mode input is set.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 import onnx.version_converter
 
-from llmc.compiler.onnx_io import transform_without_weights
+from llmc.formats.onnx_io import transform_without_weights
 from llmc.errors import LlmcError
 from llmc.passes.graph import DEFAULT_DOMAINS
 

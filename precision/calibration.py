@@ -22,7 +22,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from llmc.compiler.onnx_io import serialize
+from llmc.formats.onnx_io import serialize
 from llmc.errors import LlmcError
 
 CALIBRATORS = ("minmax", "percentile", "entropy")

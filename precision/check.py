@@ -25,8 +25,8 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from llmc.compiler.decoder_interface import recognize_decoder
-from llmc.compiler.onnx_io import load_onnx
+from llmc.formats.decoder_interface import recognize_decoder
+from llmc.formats.onnx_io import load_onnx
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.data import read_documents, windows
@@ -80,7 +80,7 @@ def check(engine, reference: ReferenceModel, data: str | os.PathLike, *, window:
         max_tokens: tokens read from the data at most.
         generate: greedy tokens compared for `first_divergence`.
     """
-    vocab = engine.manifest["geometry"]["vocab_size"]
+    vocab = engine.manifest.geometry.vocab_size
     if reference.vocab_size != vocab:
         raise LlmcError(f"--reference: vocabulary {reference.vocab_size} differs from the engine's {vocab}")
     if window < 2 or max_tokens < 2:

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from llmc.compiler.onnx_io import tensor_array
+from llmc.formats.onnx_io import tensor_array
 
 ATTENTION = ("Attention", "GroupQueryAttention", "MultiHeadAttention")
 # Normalizations whose output 0 may absorb 1/s: op type → the inputs (scale, bias) to divide.

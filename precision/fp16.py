@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from llmc.compiler.onnx_io import infer_shapes, is_large, make_initializer, tensor_array
+from llmc.formats.onnx_io import infer_shapes, is_large, make_initializer, tensor_array
 from llmc.passes.graph import Graph
 
 ISLANDS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",

@@ -27,7 +27,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from llmc.compiler.onnx_io import serialize
+from llmc.formats.onnx_io import serialize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import log_softmax, position_metrics

@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from llmc.compiler.onnx_io import tensor_array
+from llmc.formats.onnx_io import tensor_array
 from llmc.errors import LlmcError
 from llmc.precision.calibration import TensorStats, observe, threshold
 from llmc.precision.folding import Graph

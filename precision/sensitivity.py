@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from llmc.compiler.onnx_io import serialize
+from llmc.formats.onnx_io import serialize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import kl_divergence, log_softmax

@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from llmc.compiler.onnx_io import is_large, make_initializer, tensor_array
+from llmc.formats.onnx_io import is_large, make_initializer, tensor_array
 from llmc.errors import LlmcError
 from llmc.passes import contrib_ops
 from llmc.passes.graph import DEFAULT_DOMAINS

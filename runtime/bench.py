@@ -323,23 +323,14 @@ def prepare(engine_path: str | Path, spec: WorkloadSpec, *, prompts: Sequence[st
         max_num_seqs, max_num_batched_tokens: scheduler limits; None keeps SchedulerConfig's defaults.
         threads: CPU threads for the backend; None uses every core.
     """
-    from llmc.compiler.engine_file import read_engine, read_manifest
     from llmc.runtime.engine import Engine, SchedulerConfig
-    from llmc.tokenizer import Tokenizer
 
-    vocab_size = int(read_manifest(engine_path)["geometry"]["vocab_size"])
-    ids = None
-    if prompts is not None:
-        if not prompts:
-            raise LlmcError("--prompts-file: no prompts in the file")
-        sections = read_engine(engine_path).sections
-        tokenizer = Tokenizer.from_json(bytes(sections["tokenizer.json"]).decode())
-        ids = [tokenizer.encode(p) for p in prompts]
-        empty = [i for i, p in enumerate(ids) if not p]
-        if empty:
-            raise LlmcError(f"prompt {empty[0]}: empty after tokenization")
+    if prompts is not None and not prompts:
+        raise LlmcError("--prompts-file: no prompts in the file")
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     config = SchedulerConfig(**limits) if limits else None  # None: the engine's own defaults
-    workload = make_workload(spec, vocab_size, ids)
-    return Engine.from_file(engine_path, config=config, threads=threads), workload
+    engine = Engine(engine_path, config=config, threads=threads)
+    ids = None if prompts is None else [engine.request(p, request_id=f"prompt {i}").prompt_ids
+                                        for i, p in enumerate(prompts)]
+    return engine, make_workload(spec, engine.manifest.geometry.vocab_size, ids)

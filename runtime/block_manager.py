@@ -170,30 +170,32 @@ class BlockManager:
 
     # -- prompts --------------------------------------------------------------------------------
 
-    def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> bool:
-        """Whether `allocate(seq_id, token_ids)` would find enough free blocks now.
+    def can_allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, use_cache: bool = True) -> bool:
+        """Whether `allocate(seq_id, token_ids, use_cache=...)` would find enough free blocks now.
 
         Raises LlmcError when it never could (the prompt needs more blocks than the pool has) or
         when seq_id is already allocated.
         """
         tokens = self._check_prompt(seq_id, token_ids)
         hashes = self._hashes(tokens)
-        needed = self._blocks_needed(tokens, hashes, self._lookup(tokens, hashes))
+        needed = self._blocks_needed(tokens, hashes, self._lookup(tokens, hashes) if use_cache else 0)
         return needed <= self.num_free_blocks
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *, use_cache: bool = True) -> int:
         """Give a new sequence the blocks for its prompt, reusing cached leading full blocks.
 
         Args:
             seq_id: any hashable id not allocated now.
             token_ids: the prompt (≥ 1 token).
+            use_cache: False takes fresh blocks only and counts no prefix lookup: for a
+                computation that needs every position's output (logits of a whole sequence).
         Returns:
             the number of leading prompt tokens whose keys and values are already in the pool
             (a multiple of block_size, less than the prompt length): prefill can skip them.
         """
         tokens = self._check_prompt(seq_id, token_ids)
         hashes = self._hashes(tokens)
-        hits = self._lookup(tokens, hashes)
+        hits = self._lookup(tokens, hashes) if use_cache else 0
         needed = self._blocks_needed(tokens, hashes, hits)
         if needed > self.num_free_blocks:
             raise LlmcError(f"block manager: sequence {seq_id!r} needs {needed} free blocks, "
@@ -211,8 +213,9 @@ class BlockManager:
             self._set_fill(block, min(self.block_size, len(tokens) - i * self.block_size))
         cached = hits * self.block_size
         self._seqs[seq_id] = _Sequence(tokens, table, hashes, registered=hits, computed=cached)
-        self._prompt_tokens += len(tokens)
-        self._cached_prompt_tokens += cached
+        if use_cache:
+            self._prompt_tokens += len(tokens)
+            self._cached_prompt_tokens += cached
         return cached
 
     # -- decoding -------------------------------------------------------------------------------

@@ -1,10 +1,20 @@
-"""The serving engine: `step()` is schedule → execute → postprocess.
+"""The serving engine: one object that owns everything a paged engine file needs to serve.
 
-Requests join and leave the running batch at every step (continuous batching). Execute packs the
-scheduled chunks into one call of the paged engine, performs the block copies the block manager
-asked for, and stores the step's new keys and values in the pool; postprocess samples for every
-request whose prompt (or last token) is now fully computed, applies stop conditions and releases
-finished requests' blocks.
+`Engine` is built from an engine file and owns, for its lifetime, the tokenizer, the decoder (its
+onnxruntime sessions and the KV pool), the block manager and the scheduler. Nothing else writes
+the pool or hands out its blocks: `LLM` (llm.py) and `AsyncEngine` (async_engine.py) are thin
+drivers of one `Engine`, so the prefix cache and the warmed-up sessions last across their calls.
+
+`step()` is schedule → execute → postprocess. Requests join and leave the running batch at every
+step (continuous batching). Execute packs the scheduled chunks into one call of the decoder,
+performs the block copies the block manager asked for, and stores the step's new keys and values
+in the pool; postprocess samples for every request whose prompt (or last token) is now fully
+computed, turns tokens into text incrementally, applies stop conditions and releases finished
+requests' blocks. A step that raises fails the requests it held (their outputs carry the error)
+and frees their blocks; the engine keeps serving the others.
+
+Not thread-safe: one thread at a time may call it (AsyncEngine queues adds and aborts to the
+thread that steps).
 """
 
 from __future__ import annotations
@@ -17,12 +27,16 @@ from typing import Sequence
 import numpy as np
 
 from llmc.errors import LlmcError
+from llmc.formats.engine_file import EngineFile, read_engine
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
 from llmc.runtime.contiguous_generation import finish_reason
+from llmc.runtime.detokenizer import IncrementalText
 from llmc.runtime.sampler import sample
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk, Request, Scheduler, SchedulerConfig
+from llmc.runtime.block_manager import BlockManager
+from llmc.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -31,64 +45,103 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]
-    text: str  # the new text (held back while it ends inside a multi-byte character)
+    text: str  # the new text (held back while it may end inside a character or a stop string)
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
+    error: BaseException | None = None  # why the request failed, with finish_reason "error"
+
+
+def load_engine_file(path: str | os.PathLike | EngineFile) -> EngineFile:
+    """Read an engine file this build can run (the onnxruntime backend)."""
+    engine = path if isinstance(path, EngineFile) else read_engine(path)
+    if engine.manifest.backend != "onnxruntime":
+        raise LlmcError(f"{engine.path}: backend '{engine.manifest.backend}' cannot run here; this "
+                        "build of llmc runs onnxruntime engines")
+    return engine
+
+
+def load_tokenizer(engine: EngineFile) -> Tokenizer:
+    return Tokenizer.from_json(bytes(engine.sections["tokenizer.json"]).decode())
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], max_seq_len: int, name: object) -> list[int]:
+    """A prompt's token ids, checked to leave room for output; `name` names it in errors."""
+    if isinstance(prompt, str):
+        try:
+            ids = tokenizer.encode(prompt)
+        except UnicodeEncodeError:  # a lone surrogate: bytes that were not UTF-8
+            raise LlmcError(f"prompt {name}: not valid Unicode text (was it UTF-8?)") from None
+    else:
+        ids = [int(t) for t in prompt]
+        vocab = tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise LlmcError(f"prompt {name}: a token id is outside the vocabulary of {vocab}")
+    if not ids:
+        raise LlmcError(f"prompt {name}: empty after tokenization")
+    if len(ids) >= max_seq_len:
+        raise LlmcError(f"prompt {name}: {len(ids)} tokens leave no room in the engine's {max_seq_len} positions")
+    return ids
 
 
 class Engine:
     """Continuous batching over a paged engine file.
 
     Args:
-        llm: an `LLM` loaded from a paged engine.
+        engine: the engine file (a path, or one already read).
         config: scheduling limits; defaults from the engine's max batch.
+        threads: CPU threads for the backend; None uses every core.
     """
 
-    def __init__(self, llm, config: SchedulerConfig | None = None):
-        paged = llm.manifest.get("paged")
-        if not paged:
-            raise LlmcError(f"{llm.path}: not a paged engine (compiled with --no-paged or not "
-                            "expressible paged); Engine needs one")
-        self.llm, self.decoder = llm, llm.paged_decoder
-        self.config = config or SchedulerConfig(max_num_seqs=paged["max_batch"])
-        # A sliding window on every layer lets blocks behind it be freed (engines built before
-        # sliding windows have no "window": none).
-        self.blocks = BlockManager(paged["num_blocks"], paged["block_size"], paged.get("window"))
+    def __init__(self, engine: str | os.PathLike | EngineFile, config: SchedulerConfig | None = None,
+                 threads: int | None = None):
+        engine = load_engine_file(engine)
+        paged = engine.manifest.paged
+        if paged is None:
+            raise LlmcError(f"{engine.path}: not a paged engine ({engine.manifest.not_paged}); Engine needs one")
+        self.path, self.manifest = engine.path, engine.manifest
+        self.tokenizer = load_tokenizer(engine)
+        self.decoder = PagedDecoder(engine, threads)
+        self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch)
+        self.blocks = BlockManager(paged.num_blocks, paged.block_size, paged.window)
         self.scheduler = Scheduler(self.config, self.blocks)
+        self.max_seq_len = paged.max_seq_len
         self.decoder.warm_up(min(self.config.max_num_batched_tokens,
                                  self.config.max_prefill_tokens or self.config.max_num_batched_tokens),
                              self.config.max_num_seqs)
         self._ids = itertools.count()
-        self._utilization: list[float] = []
+        self._texts: dict[str, IncrementalText] = {}
+        self._utilization_sum, self._steps = 0.0, 0
 
-    @classmethod
-    def from_file(cls, path: str | os.PathLike, config: SchedulerConfig | None = None,
-                  threads: int | None = None) -> "Engine":
-        from llmc.llm import LLM
-
-        return cls(LLM(path, threads), config)
-
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    priority: int = 0, request_id: str | None = None) -> str:
-        """Queue a request; raises LlmcError if it could never run on this engine."""
+    def request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                priority: int = 0, request_id: str | None = None) -> Request:
+        """A checked request, not yet queued (see `add`); raises LlmcError if it could never run.
+        Touches no engine state but the id counter, so any thread may call it."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
-        ids = self.llm.encode(prompt, request_id) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise LlmcError(f"request {request_id}: empty prompt")
-        longest = min(len(ids) + params.max_new_tokens, self.decoder.max_seq_len)
-        if len(ids) >= self.decoder.max_seq_len:
-            raise LlmcError(f"request {request_id}: {len(ids)} prompt tokens leave no room in the "
-                            f"engine's {self.decoder.max_seq_len} positions")
+        ids = encode_prompt(self.tokenizer, prompt, self.max_seq_len, request_id)
+        longest = min(len(ids) + params.max_new_tokens, self.max_seq_len)
         needed = -(-longest // self.blocks.block_size)
         if needed > self.blocks.num_blocks:
             raise LlmcError(f"request {request_id}: needs {needed} KV blocks, the pool has "
                             f"{self.blocks.num_blocks} (KV pool too small)")
-        self.scheduler.add(Request(request_id, ids, params, priority))
-        return request_id
+        return Request(request_id, ids, params, priority)
+
+    def add(self, request: Request) -> str:
+        """Queue a request made by `request`."""
+        if request.request_id in self._texts:
+            raise LlmcError(f"request {request.request_id}: this id is already in use")
+        self._texts[request.request_id] = IncrementalText(self.tokenizer, request.prompt_ids, request.params.stop)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    priority: int = 0, request_id: str | None = None) -> str:
+        """Check and queue a request; returns its id."""
+        return self.add(self.request(prompt, params, priority=priority, request_id=request_id))
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; returns whether it was still pending."""
+        self._texts.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
@@ -98,14 +151,34 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        logits = self._execute(chunks)
+        try:
+            logits = self._execute(chunks)
+        except Exception as error:  # the requests of this step fail; the others keep running
+            return [self._fail(chunk.request, error) for chunk in chunks]
         return self._postprocess(chunks, logits)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """[tokens, vocab] logits at every position of one sequence, computed from scratch in
+        blocks the block manager lends for the call (accuracy checks: perplexity, agreement)."""
+        ids = np.asarray(token_ids, np.int64)
+        if not 0 < len(ids) <= self.max_seq_len:
+            raise LlmcError(f"logits: {len(ids)} tokens; this engine takes 1 to {self.max_seq_len}")
+        sequence = ("logits", next(self._ids))
+        if not self.blocks.can_allocate(sequence, ids.tolist(), use_cache=False):
+            raise LlmcError(f"logits: {len(ids)} tokens need more KV blocks than are free now")
+        self.blocks.allocate(sequence, ids.tolist(), use_cache=False)
+        try:
+            table = np.array([self.blocks.block_table(sequence)], np.int64)
+            positions = np.arange(len(ids))
+            batch = PagedBatch(table, np.zeros(1, np.int64), np.array([0, len(ids)]))
+            return self.decoder.step(ids, positions, batch, rows=positions)
+        finally:
+            self.blocks.free(sequence)
 
     @property
     def stats(self) -> dict:
-        block_stats = self.blocks.stats
-        return {"kv_utilization": float(np.mean(self._utilization)) if self._utilization else 0.0,
-                "prefix_hit_rate": block_stats.prefix_hit_rate,
+        return {"kv_utilization": self._utilization_sum / self._steps if self._steps else 0.0,
+                "prefix_hit_rate": self.blocks.stats.prefix_hit_rate,
                 "preemptions": self.scheduler.preemptions}
 
     def _execute(self, chunks: list[Chunk]) -> np.ndarray:
@@ -123,36 +196,41 @@ class Engine:
                            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
         tokens = np.concatenate([c.request.token_ids[c.start:c.start + c.count] for c in chunks])
         positions = np.concatenate([np.arange(c.start, c.start + c.count) for c in chunks])
-        self._utilization.append(self.blocks.stats.utilization)
+        self._utilization_sum += self.blocks.stats.utilization
+        self._steps += 1
         return self.decoder.step(tokens.astype(np.int64), positions.astype(np.int64), batch)
 
     def _postprocess(self, chunks: list[Chunk], logits: np.ndarray) -> list[RequestOutput]:
         outputs = []
         for row, chunk in enumerate(chunks):
             request = chunk.request
-            request.num_computed += chunk.count
-            self.blocks.mark_computed(request.request_id, request.num_computed)
-            if request.num_computed < len(request.token_ids):
-                continue  # a prefill chunk short of the prompt's end: no token yet
-            token = sample(logits[row], request.params, request.rng, request.prompt_ids, request.output_ids)
-            request.output_ids.append(token)
-            outputs.append(self._emit(request, token))
+            try:
+                request.num_computed += chunk.count
+                self.blocks.mark_computed(request.request_id, request.num_computed)
+                if request.num_computed < len(request.token_ids):
+                    continue  # a prefill chunk short of the prompt's end: no token yet
+                token = sample(logits[row], request.params, request.rng, request.prompt_ids, request.output_ids)
+                request.output_ids.append(token)
+                outputs.append(self._emit(request, token))
+            except Exception as error:  # this request fails alone
+                outputs.append(self._fail(request, error))
         return outputs
 
     def _emit(self, request: Request, token: int) -> RequestOutput:
         params = request.params
-        budget = min(params.max_new_tokens, self.decoder.max_seq_len - len(request.prompt_ids))
-        reason = finish_reason(token, len(request.output_ids), budget, params, self.llm.tokenizer.eos_ids)
-        text = self.llm.tokenizer.decode(request.output_ids)
-        for stop in params.stop:
-            at = text.find(stop)
-            if at >= 0:
-                text, reason = text[:at], "stop"
-        if reason is None and text.endswith("\ufffd"):
-            delta = ""  # hold back a partial multi-byte character
-        else:
-            delta = text[len(request.text):]
-            request.text = text
+        budget = min(params.max_new_tokens, self.max_seq_len - len(request.prompt_ids))
+        text = self._texts[request.request_id]
+        delta, stopped = text.add(token)
+        reason = "stop" if stopped else finish_reason(token, len(request.output_ids), budget, params,
+                                                      self.tokenizer.eos_ids)
         if reason is not None:
+            if not stopped:
+                delta += text.flush()
+            del self._texts[request.request_id]
             self.scheduler.finish(request, reason)
         return RequestOutput(request.request_id, [token], delta, reason is not None, reason)
+
+    def _fail(self, request: Request, error: BaseException) -> RequestOutput:
+        self.abort(request.request_id)
+        request.finish_reason = "error"
+        return RequestOutput(request.request_id, [], "", True, "error", error)

@@ -45,9 +45,9 @@ import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
-from llmc.compiler.decoder_interface import Geometry, _config_windows, geometry_metadata
+from llmc.formats.decoder_interface import Geometry, _config_windows, geometry_metadata
 from llmc.compiler.export import io_names, quiet_exporter
-from llmc.compiler.onnx_io import save_onnx
+from llmc.formats.onnx_io import save_onnx
 from llmc.tokenizer import Tokenizer
 
 EXPORTERS = ("llmc", "dynamo", "torchscript", "optimum")

@@ -5,7 +5,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from llmc.compiler.onnx_io import serialize
+from llmc.formats.onnx_io import serialize
 from llmc.precision.calibration import prefill_feeds
 
 

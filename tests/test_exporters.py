@@ -19,7 +19,7 @@ from exporters import EXPORTERS, export_decoder, hf_geometry
 from hf_checkpoints import FAMILIES, hf_model, write_hf_checkpoint
 from transformers.cache_utils import DynamicCache
 
-from llmc.compiler.decoder_interface import recognize_decoder
+from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.export import io_names
 
 ATOL = 1e-4

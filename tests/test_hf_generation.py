@@ -18,7 +18,7 @@ from hf_checkpoints import ALL_FAMILIES, hf_greedy, hf_model, write_hf_checkpoin
 
 from llmc import LLM, SamplingParams
 from llmc.cli import main
-from llmc.compiler.engine_file import read_manifest
+from llmc.formats.engine_file import read_manifest
 
 PROMPT = "def fibonacci("
 NEW_TOKENS = 32

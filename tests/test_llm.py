@@ -60,7 +60,7 @@ def test_stop_token_ends_the_completion(llm):
 
 
 def test_generation_stops_at_the_position_limit(llm):
-    limit = llm.manifest["geometry"]["max_positions"]
+    limit = llm.manifest.geometry.max_positions
     prompt = "a" * (limit - 4)  # + BOS = limit - 3 tokens
     completion = llm.generate(prompt, SamplingParams(max_new_tokens=50))[0]
     assert len(completion.prompt_token_ids) + len(completion.token_ids) == limit

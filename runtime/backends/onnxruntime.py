@@ -2,51 +2,14 @@
 
 from __future__ import annotations
 
-
-import tempfile
-
 import numpy as np
 import onnxruntime as ort
 
-from llmc.compiler.decoder_interface import Geometry
-from llmc.compiler.engine_file import EngineFile
-from llmc.compiler.onnx_io import FileRange, point_to_file
+from llmc.formats.engine_file import EngineFile
+from llmc.formats.onnx_io import FileRange
+from llmc.formats.sessions import open_session
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
-
-
-def open_session(files: dict, folder: str, options: ort.SessionOptions) -> ort.InferenceSession:
-    """A CPU session over a serialized model, external data included, without copying it to disk.
-
-    Args:
-        files: "model.onnx" bytes, plus "model.onnx.data" for models past 2 GB: a `FileRange`
-            (onnxruntime reads the file itself and holds the weights once) or bytes-like
-            (handed over as an in-memory file; onnxruntime copies it, so resident memory holds
-            both until the caller drops it).
-        folder: unused; kept for callers that still pass one.
-        options: session options. onnxruntime keeps the in-memory file (or the data folder) in
-            them: sessions sharing `options` must share the data (as a paged engine's segments do).
-    """
-    graph, data = files["model.onnx"], files.get("model.onnx.data")
-    if isinstance(data, FileRange):
-        graph = point_to_file(graph, data)
-        key, folder = "session.model_external_initializers_file_folder_path", str(data.path.resolve().parent)
-        if _config_entry(options, key) != folder:
-            options.add_session_config_entry(key, folder)
-    elif data is not None:
-        try:
-            options.add_external_initializers_from_files_in_memory(["model.onnx.data"], [data], [len(data)])
-        except RuntimeError as exc:
-            if "already been added" not in str(exc):
-                raise
-    return ort.InferenceSession(bytes(graph), options, providers=["CPUExecutionProvider"])
-
-
-def _config_entry(options: ort.SessionOptions, key: str) -> str | None:
-    try:
-        return options.get_session_config_entry(key)
-    except RuntimeError:
-        return None
 
 
 class OnnxRuntimeDecoder:
@@ -59,9 +22,9 @@ class OnnxRuntimeDecoder:
 
     def __init__(self, engine: EngineFile, threads: int | None = None):
         manifest = engine.manifest
-        self.geometry = Geometry(**manifest["geometry"])
-        self.dtype = _NUMPY_DTYPES[manifest["dtype"]]
-        self.has_position_ids = manifest["has_position_ids"]
+        self.geometry = manifest.geometry
+        self.dtype = _NUMPY_DTYPES[manifest.dtype]
+        self.has_position_ids = manifest.has_position_ids
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
@@ -69,8 +32,7 @@ class OnnxRuntimeDecoder:
         files = {"model.onnx": engine.sections["model.onnx"]}
         if "model.onnx.data" in engine.sections:  # past 2 GB: onnxruntime reads the weights from the engine
             files["model.onnx.data"] = FileRange(engine.path, engine.offsets["model.onnx.data"])
-        self._unpacked = tempfile.TemporaryDirectory(prefix="llmc-engine-")
-        self.session = open_session(files, self._unpacked.name, options)
+        self.session = open_session(files, options)
         layers = range(self.geometry.num_layers)
         self._past_names = [f"past_key_values.{i}.{p}" for i in layers for p in ("key", "value")]
         # Ask for outputs by name: graphs from other exporters may order them differently.

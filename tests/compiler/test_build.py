@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 from llmc import LLM, SamplingParams
-from llmc.compiler import onnx_io
+from llmc.formats import onnx_io
 from llmc.compiler.build import compile_model
 from llmc.compiler.export import export
 from llmc.errors import LlmcError

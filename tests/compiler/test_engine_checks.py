@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 from llmc import LLM, SamplingParams
 from llmc.compiler.build import compile_model
 from llmc.compiler.compare import seeded_feeds
-from llmc.compiler.engine_file import read_manifest
+from llmc.formats.engine_file import read_manifest
 from llmc.compiler.pipeline import PIPELINES, optimize, structural_problem
 from llmc.errors import LlmcError
 from llmc.passes.base import Pass, PassResult

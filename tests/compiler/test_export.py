@@ -6,7 +6,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from llmc.compiler.decoder_interface import recognize_decoder
+from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.export import _FlatDecoder, export, io_names, model_geometry, sample_inputs
 from llmc.models import load_model
 

@@ -16,7 +16,7 @@ from hf_checkpoints import hf_greedy
 
 from llmc import LLM, SamplingParams
 from llmc.cli import main
-from llmc.compiler.engine_file import read_manifest
+from llmc.formats.engine_file import read_manifest
 
 PROMPT = "def fibonacci("
 NEW_TOKENS = 32

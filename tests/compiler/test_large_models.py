@@ -15,9 +15,9 @@ import onnx
 import pytest
 import torch
 
-from llmc.compiler import onnx_io
+from llmc.formats import onnx_io
 from llmc.compiler.build import compile_model
-from llmc.compiler.engine_file import read_manifest
+from llmc.formats.engine_file import read_manifest
 from llmc.compiler.export import export
 from llmc.llm import LLM
 from llmc.models import LoadedModel

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmc.cli import main
-from llmc.compiler.engine_file import read_manifest
+from llmc.formats.engine_file import read_manifest
 
 PROMPTS = ["def fibonacci(", "import os", "x = [", "while True:"]
 
@@ -101,7 +101,7 @@ def test_sliding_window_model_compiles_paged_and_matches_transformers(mistral, t
     # dense form), its blocks freed between chunks.
     prompts = ["def fibonacci(n):", "import os", "x = [1, 2", "class Node:\n    def __init__(self, value):\n" * 2]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    engine = Engine.from_file(tmp_path / "paged.plan", SchedulerConfig(max_num_seqs=4, max_prefill_tokens=24))
+    engine = Engine(tmp_path / "paged.plan", SchedulerConfig(max_num_seqs=4, max_prefill_tokens=24))
     ids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
     got = [[] for _ in prompts]
     checked = 0

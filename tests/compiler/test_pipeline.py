@@ -8,7 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from llmc.cli import main
-from llmc.compiler import onnx_io, pipeline
+from llmc.compiler import pipeline
+from llmc.formats import onnx_io
 from llmc.compiler.compare import compare_models
 from llmc.errors import LlmcError
 from llmc.passes.base import Pass, PassResult
@@ -100,7 +101,7 @@ def test_cli_optimize_bad_input(tmp_path):
 
 
 def test_compile_records_the_pipeline(tiny_llama_engine):
-    from llmc.compiler.engine_file import read_manifest
+    from llmc.formats.engine_file import read_manifest
 
     manifest = read_manifest(tiny_llama_engine)
     assert manifest["build_options"]["level"] == "2"

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto
 
 from llmc.compiler.build import compile_model
-from llmc.compiler.onnx_io import infer_shapes
+from llmc.formats.onnx_io import infer_shapes
 from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError
 from llmc.llm import LLM

@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from llmc.compiler.build import find_tokenizer
-from llmc.compiler.engine_file import read_manifest
+from llmc.formats.engine_file import read_manifest
 from llmc.llm import LLM
 from llmc.precision.check import ReferenceModel, check
 from llmc.precision.data import read_documents, windows

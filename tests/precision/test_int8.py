@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from llmc.compiler.onnx_io import serialize
+from llmc.formats.onnx_io import serialize
 from llmc.errors import LlmcError
 from llmc.precision.calibration import BINS, TensorStats, check_calibrator, entropy_bins, observe, prefill_feeds, threshold
 from llmc.precision.int8 import activation_groups, choose_smoothing, output_error, quantize_int8, write_qdq

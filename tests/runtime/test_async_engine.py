@@ -14,7 +14,7 @@ PARAMS = {"short": SamplingParams(max_new_tokens=4, ignore_eos=True),
 def test_concurrent_streams_get_their_own_tokens_and_short_ones_finish_first(tiny_llama_engine):
     llm = LLM(tiny_llama_engine)
     expected = {name: llm.generate(f"prompt {name}", params)[0].token_ids for name, params in PARAMS.items()}
-    engine = AsyncEngine(Engine(llm))
+    engine = AsyncEngine(llm.engine)  # the engine that just served generate(), its prefix cache warm
     finished = []
 
     async def consume(name):
@@ -33,7 +33,7 @@ def test_concurrent_streams_get_their_own_tokens_and_short_ones_finish_first(tin
 
 
 def test_a_caller_that_stops_listening_cancels_its_request(tiny_llama_engine):
-    engine = AsyncEngine(Engine(LLM(tiny_llama_engine)))
+    engine = AsyncEngine(Engine(tiny_llama_engine))
 
     async def first_token_only():
         async with contextlib.aclosing(engine.generate("abc", PARAMS["long"])) as stream:

@@ -26,12 +26,12 @@ def run_all(engine, prompts, params=GREEDY):
 
 @pytest.fixture(scope="module")
 def alone(tiny_llama_engine):
-    llm = LLM(tiny_llama_engine)
-    return [run_all(Engine(llm), [p])[0] for p in PROMPTS]
+    engine = Engine(tiny_llama_engine)
+    return [run_all(engine, [p])[0] for p in PROMPTS]
 
 
 def test_batched_output_equals_each_request_alone(tiny_llama_engine, alone):
-    engine = Engine.from_file(tiny_llama_engine, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
+    engine = Engine(tiny_llama_engine, SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
     assert run_all(engine, PROMPTS) == alone
 
 
@@ -39,7 +39,7 @@ def test_output_after_preemption_equals_output_without(tiny_llama_onnx, tmp_path
     # 3 blocks of 32 tokens for 6 requests of up to ~60 tokens: the pool runs out mid-decode.
     compile_model(tiny_llama_onnx, tmp_path / "small.plan",
                   paged=PagedOptions(block_size=32, kv_pool_mb=0.375, max_seq_len=64, max_batch=6))
-    engine = Engine.from_file(tmp_path / "small.plan")
+    engine = Engine(tmp_path / "small.plan")
     assert engine.blocks.num_blocks == 3
     assert run_all(engine, PROMPTS) == alone
     assert engine.stats["preemptions"] > 0
@@ -49,15 +49,15 @@ def test_output_after_preemption_equals_output_without(tiny_llama_onnx, tmp_path
 def test_prefix_cached_request_generates_the_same_tokens(tiny_llama_engine):
     shared = "# " + "a shared prefix that spans several blocks of the pool. " * 3
     first, second = shared + "def f():", shared + "class C:"
-    fresh = run_all(Engine.from_file(tiny_llama_engine), [second])[0]
-    engine = Engine.from_file(tiny_llama_engine)
+    fresh = run_all(Engine(tiny_llama_engine), [second])[0]
+    engine = Engine(tiny_llama_engine)
     run_all(engine, [first])
     assert run_all(engine, [second])[0] == fresh
     assert engine.stats["prefix_hit_rate"] > 0.3
 
 
 def test_stop_strings_abort_and_per_request_errors(tiny_llama_engine):
-    engine = Engine.from_file(tiny_llama_engine)
+    engine = Engine(tiny_llama_engine)
     free_text = LLM(tiny_llama_engine).generate(PROMPTS[0], GREEDY)[0].text
     stop = free_text[5:7]
     kept = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=24, stop=(stop,)))
@@ -79,7 +79,7 @@ def test_stop_strings_abort_and_per_request_errors(tiny_llama_engine):
 def test_request_larger_than_the_pool_is_refused(tiny_llama_onnx, tmp_path):
     compile_model(tiny_llama_onnx, tmp_path / "tiny.plan",
                   paged=PagedOptions(block_size=32, kv_pool_mb=0.25, max_seq_len=64))
-    engine = Engine.from_file(tmp_path / "tiny.plan")
+    engine = Engine(tmp_path / "tiny.plan")
     with pytest.raises(LlmcError, match="leave no room|KV pool too small"):
         engine.add_request("y" * 70, GREEDY)
 
@@ -87,7 +87,7 @@ def test_request_larger_than_the_pool_is_refused(tiny_llama_onnx, tmp_path):
 def test_contiguous_engine_is_refused(tiny_llama_onnx, tmp_path):
     compile_model(tiny_llama_onnx, tmp_path / "dense.plan", paged=None)
     with pytest.raises(LlmcError, match="not a paged engine"):
-        Engine.from_file(tmp_path / "dense.plan")
+        Engine(tmp_path / "dense.plan")
 
 
 def test_float16_pool_batched_equals_alone_and_stays_near_the_float32_pool(tiny_llama_onnx, tiny_llama_engine,
@@ -95,9 +95,9 @@ def test_float16_pool_batched_equals_alone_and_stays_near_the_float32_pool(tiny_
     compile_model(tiny_llama_onnx, tmp_path / "kv16.plan", paged=PagedOptions(kv_dtype="float16"))
     # Chunked prompts beside decodes, then each alone: a step reads its own new keys rounded, as
     # later steps read them from the pool, so how a prompt is split cannot change the tokens.
-    batched = run_all(Engine.from_file(tmp_path / "kv16.plan",
+    batched = run_all(Engine(tmp_path / "kv16.plan",
                                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)), PROMPTS)
-    engine = Engine.from_file(tmp_path / "kv16.plan")
+    engine = Engine(tmp_path / "kv16.plan")
     assert batched == [run_all(engine, [p])[0] for p in PROMPTS]
     assert engine.decoder.pools["key_cache.0"].dtype == "float16"
     # Keys and values rounded to float16 (relative error 2^-11) move the logits by far less than

@@ -6,23 +6,24 @@ import onnx
 import pytest
 
 from llmc.compiler.compare import run_onnx
-from llmc.compiler.decoder_interface import recognize_decoder
 from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError
 from llmc.passes.lower_paged_attention import LowerPagedAttention
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.runtime.backends.paged_onnxruntime import PagedDecoder, split_at_paged_attention
-
-def paged_decoder(onnx_path, block_size, num_blocks=64):
-    model, _ = optimize(onnx.load(onnx_path), level=2)
-    LowerPagedAttention(block_size).run(model)
-    onnx.checker.check_model(model)
-    geometry = recognize_decoder(onnx.load(onnx_path, load_external_data=False), onnx_path).geometry
-    return PagedDecoder(model, geometry, block_size, num_blocks)
+from llmc.compiler.build import compile_model
+from llmc.compiler.paged_engine import PagedOptions
+from llmc.compiler.segments import split_at_paged_attention
+from llmc.formats.engine_file import read_engine
+from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
 
 
-def test_packed_prefill_logits_equal_the_original_graph(tiny_llama_onnx):
-    decoder = paged_decoder(tiny_llama_onnx, 16)
+def paged_decoder(onnx_path, block_size, folder):
+    compile_model(onnx_path, folder / "engine.plan", paged=PagedOptions(block_size=block_size))
+    return PagedDecoder(read_engine(folder / "engine.plan"))
+
+
+def test_packed_prefill_logits_equal_the_original_graph(tiny_llama_onnx, tmp_path):
+    decoder = paged_decoder(tiny_llama_onnx, 16, tmp_path)
     rng = np.random.default_rng(0)
     lens = [5, 9, 1]
     prompts = [rng.integers(0, 258, n) for n in lens]
@@ -56,12 +57,12 @@ def test_unsupported_block_size_is_refused():
 def test_graph_is_cut_at_every_attention(tiny_llama_onnx):
     model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
     LowerPagedAttention(16).run(model)
-    segments = split_at_paged_attention(model)
+    graphs, segments = zip(*split_at_paged_attention(model))
     assert len(segments) == 5  # 4 layers: segment, attention, …, segment
-    assert [int(s.attention.input[3].split(".")[1]) for s in segments[:-1]] == [0, 1, 2, 3]
-    assert segments[-1].attention is None and segments[-1].outputs == ["logits"]
+    assert [int(s.attention.inputs[3].split(".")[1]) for s in segments[:-1]] == [0, 1, 2, 3]
+    assert segments[-1].attention is None and segments[-1].outputs == ("logits",)
     # Only attention runs outside onnxruntime: each middle segment holds a layer's MLP and projections.
-    assert all(sum(n.op_type == "MatMul" for n in s.model.graph.node) >= 3 for s in segments[1:-1])
+    assert all(sum(n.op_type == "MatMul" for n in g.graph.node) >= 3 for g in graphs[1:-1])
 
 
 def test_engine_graph_without_paged_attention_is_refused(tiny_llama_onnx):
@@ -84,20 +85,20 @@ def test_values_computed_from_weights_alone_stay_with_their_readers(tiny_llama_o
     model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
     quantize_int8(model, linear_layers(model), [np.arange(3, 40)], "minmax")
     LowerPagedAttention(16).run(model)
-    segments = split_at_paged_attention(model)
+    graphs, segments = zip(*split_at_paged_attention(model))
     # Each weight's DequantizeLinear runs in the segment of its MatMul: no dequantized weight
     # crosses a cut (it would be recomputed and copied every step).
     crossing = [name for s in segments for name in s.outputs if name.endswith(".weight.int8.dq")]
     assert crossing == []
-    assert sum(n.op_type == "DequantizeLinear" for s in segments for n in s.model.graph.node) >= 2 * 17
+    assert sum(n.op_type == "DequantizeLinear" for g in graphs for n in g.graph.node) >= 2 * 17
 
 
 def test_each_layer_gets_its_window(tiny_llama_onnx):
     model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
     LowerPagedAttention(16, windows=[4, 0, 4, 0]).run(model)
-    segments = split_at_paged_attention(model)
+    segments = [segment for _, segment in split_at_paged_attention(model)]
     # Layer i's window on the attention that reads layer i's pool.
-    assert [(s.attention.input[3], s.window) for s in segments[:-1]] == [
+    assert [(s.attention.inputs[3], s.attention.window) for s in segments[:-1]] == [
         ("key_cache.0", 4), ("key_cache.1", 0), ("key_cache.2", 4), ("key_cache.3", 0)]
 
 

@@ -1,0 +1,180 @@
+"""The engine file: one self-describing file holding a manifest and named binary sections.
+
+Layout (little-endian)::
+
+    b"LLMCENG\\0" | format version: u32 | manifest length: u64 | manifest (UTF-8 JSON) | sections
+
+Each section starts at a 64-byte aligned offset (relative to the end of the manifest) recorded
+in the manifest together with its length and SHA-256, so a truncated or corrupted file is caught
+on load rather than producing wrong tokens. The manifest also records what the engine is: the
+backend, the model geometry, the dtype, a hash of the source graph and the build options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import LlmcError
+from llmc.formats.manifest import FORMAT_VERSION, Manifest, parse_manifest
+
+MAGIC = b"LLMCENG\0"
+_HEADER = struct.Struct("<8sIQ")
+_ALIGN = 64
+_CHUNK = 1 << 26
+
+
+@dataclass(frozen=True)
+class EngineFile:
+    """An engine loaded from disk: its checked manifest and its sections as bytes-like views (and
+    where in the file each starts, for readers that read a section from disk themselves)."""
+
+    path: Path
+    manifest: Manifest
+    sections: dict[str, memoryview]
+    offsets: dict[str, int] = field(default_factory=dict)  # sections' absolute file offsets
+
+
+def write_engine(path: str | os.PathLike, manifest: dict[str, Any],
+                 sections: dict[str, bytes | memoryview | os.PathLike]) -> None:
+    """Write an engine file atomically (temporary file, then rename).
+
+    Args:
+        path: destination file.
+        manifest: the fields of `Manifest` but `format_version` and `sections`, which are added;
+            checked against the schema before anything is written.
+        sections: named payloads, e.g. the ONNX model and the tokenizer: bytes-like, or the path
+            of a file to stream in (a large model's weights, never held in memory). Offsets and
+            lengths are 64-bit: sections past 2 or 4 GiB are fine.
+    """
+    path = Path(path)
+    table, offset = [], 0
+    for name, data in sections.items():
+        offset = _aligned(offset)
+        length, digest = _measure(data)
+        table.append({"name": name, "offset": offset, "length": length, "sha256": digest})
+        offset += length
+    manifest = {"format_version": FORMAT_VERSION, **manifest, "sections": table}
+    parse_manifest(manifest, str(path))  # what this writes, read_engine must accept
+    manifest_bytes = json.dumps(manifest, indent=1).encode()
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(_HEADER.pack(MAGIC, FORMAT_VERSION, len(manifest_bytes)))
+            out.write(manifest_bytes)
+            start = out.tell()
+            for entry, data in zip(table, sections.values()):
+                out.write(b"\0" * (start + entry["offset"] - out.tell()))
+                for chunk in _chunks(data):
+                    out.write(chunk)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _measure(data: bytes | memoryview | os.PathLike) -> tuple[int, str]:
+    digest, length = hashlib.sha256(), 0
+    for chunk in _chunks(data):
+        digest.update(chunk)
+        length += len(chunk)
+    return length, digest.hexdigest()
+
+
+def _chunks(data: bytes | memoryview | os.PathLike):
+    """The payload in pieces: a file is read 64 MiB at a time (through the page cache)."""
+    if not isinstance(data, (str, os.PathLike)):
+        yield data
+        return
+    with open(data, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """An engine's manifest as JSON (checked against the schema), without loading its sections:
+    for tools and people; the runtime reads the typed `EngineFile.manifest`."""
+    with open(_existing(path), "rb") as f:
+        manifest, _ = _read_header(Path(path), f.read(_HEADER.size), f)
+    return manifest.to_dict()
+
+
+def read_engine(path: str | os.PathLike, *, verify: bool = True) -> EngineFile:
+    """Load an engine file, memory-mapped; checks every section's length and checksum.
+
+    Args:
+        path: the engine file.
+        verify: compare each section's SHA-256 with the manifest (catches corruption).
+    """
+    path = _existing(path)
+    with open(path, "rb") as f:
+        manifest, data_start = _read_header(path, f.read(_HEADER.size), f)
+        size = os.fstat(f.fileno()).st_size
+        view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
+        sections, offsets = {}, {}
+        for entry in manifest.sections:
+            begin = data_start + entry.offset
+            end = begin + entry.length
+            if not 0 <= entry.offset or end > size:
+                raise LlmcError(f"{path}: truncated engine file (section '{entry.name}' needs "
+                                f"{end} bytes, file has {size})")
+            if verify and _file_digest(f, begin, entry.length) != entry.sha256:
+                raise LlmcError(f"{path}: corrupted engine file (checksum mismatch in section "
+                                f"'{entry.name}')")
+            sections[entry.name] = view[begin:end]
+            offsets[entry.name] = begin
+    return EngineFile(path, manifest, sections, offsets)
+
+
+def _file_digest(f, begin: int, length: int) -> str:
+    """SHA-256 of a file range, read in chunks: hashing through the memory map would count a
+    large engine's every page in this process's resident memory."""
+    digest = hashlib.sha256()
+    f.seek(begin)
+    while length > 0:
+        chunk = f.read(min(_CHUNK, length))
+        if not chunk:
+            break
+        digest.update(chunk)
+        length -= len(chunk)
+    return digest.hexdigest()
+
+
+def _read_header(path: Path, header: bytes, f) -> tuple[Manifest, int]:
+    if len(header) < _HEADER.size or not header.startswith(MAGIC):
+        raise LlmcError(f"{path}: not an llmc engine file (bad magic bytes)")
+    _, version, manifest_length = _HEADER.unpack(header)
+    if version > FORMAT_VERSION:
+        raise LlmcError(f"{path}: engine format version {version} is newer than this llmc "
+                        f"supports ({FORMAT_VERSION}); rebuild it or upgrade llmc")
+    if version < FORMAT_VERSION:
+        raise LlmcError(f"{path}: engine format version {version} was written by an older llmc "
+                        f"(this one reads {FORMAT_VERSION}); recompile it with `llmc compile`")
+    raw = f.read(manifest_length)
+    if len(raw) < manifest_length:
+        raise LlmcError(f"{path}: truncated engine file (manifest incomplete)")
+    try:
+        manifest = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise LlmcError(f"{path}: corrupted engine file (manifest is not valid JSON)") from None
+    return parse_manifest(manifest, str(path)), _HEADER.size + manifest_length
+
+
+def _existing(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise LlmcError(f"{path}: no such file")
+    return path
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN

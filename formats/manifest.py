@@ -1,0 +1,162 @@
+"""The engine manifest as a typed schema: what `llmc compile` records and the runtime reads.
+
+`parse_manifest` checks a manifest read from an engine file field by field and returns typed
+objects; a wrong field is one error naming it (``paged.num_blocks: expected an integer, got
+'8'``). Free-form records meant for people and tools (the optimization report, the precision
+report, build options) are checked only for their kind (object, list).
+
+Format versions: the file header carries `FORMAT_VERSION`, bumped whenever the manifest or the
+sections change meaning. Version 2 stores a paged engine as segments cut at compile time (the
+runtime needs no compiler to serve it) and names every field the runtime reads, without
+defaults for older engines. Engines of version 1 are refused with a message to recompile: they
+lack the segments, and cutting them at load would put the compiler back in the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmc.errors import LlmcError
+from llmc.formats.decoder_interface import Geometry
+
+FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A PagedAttention node between two segments: the values it reads and writes, and its
+    attributes (see plugins/paged_attention.py)."""
+
+    inputs: tuple[str, ...]  # query, key, value, key pool, value pool (then the step layout)
+    output: str
+    scale: float
+    window: int  # sliding window, 0 for full attention
+    softcap: float  # score soft-capping, 0.0 for none
+
+
+@dataclass(frozen=True)
+class Segment:
+    """The graph between two attentions (an onnxruntime session) and the attention after it."""
+
+    section: str | None  # the engine section holding the ONNX graph; None when no node falls here
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attention: AttentionCall | None  # None after the last segment
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """The paged KV pool and the segments of a paged engine."""
+
+    block_size: int
+    max_batch: int
+    max_seq_len: int
+    kv_pool_mb: float | None  # as asked; None when sized from max_batch
+    kv_dtype: str
+    num_blocks: int
+    pool_mb: float
+    window: int | None  # positions every layer reads back, when every layer has a window
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    file: str
+    sha256: str
+    nodes: int
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything an engine file says about itself."""
+
+    format_version: int
+    llmc_version: str
+    created: str
+    backend: str
+    geometry: Geometry
+    dtype: str
+    has_position_ids: bool
+    sliding_window: int | None
+    layer_windows: tuple[int, ...] | None
+    source: Source
+    build_options: dict
+    optimization: list
+    precision: dict | None
+    paged: PagedLayout | None
+    sections: tuple[Section, ...]
+    not_paged: str | None = None  # why the engine is contiguous, when it is
+    extra: dict = field(default_factory=dict)  # fields this llmc does not know (a newer minor writer)
+
+    def to_dict(self) -> dict:
+        entry = dataclasses.asdict(self)
+        entry.update(entry.pop("extra"))
+        return entry
+
+
+def parse_manifest(data: Any, where: str) -> Manifest:
+    """Check a manifest read from JSON; `where` (the file) starts every error."""
+    if not isinstance(data, dict):
+        raise LlmcError(f"{where}: manifest is not a JSON object")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise LlmcError(f"{where}: engine format {version} was written by another llmc (this one reads "
+                        f"format {FORMAT_VERSION}); recompile it with `llmc compile`")
+    known = {f.name for f in dataclasses.fields(Manifest)} - {"extra"}
+    manifest = _parse(Manifest, {k: v for k, v in data.items() if k in known}, where, "")
+    return dataclasses.replace(manifest, extra={k: v for k, v in data.items() if k not in known})
+
+
+def _parse(kind: Any, value: Any, where: str, name: str) -> Any:
+    """`value` checked against the type annotation `kind`; errors name the dotted field."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _parse(inner, value, where, name)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise _wrong(where, name, "an object", value)
+        hints = typing.get_type_hints(kind)
+        fields = [f for f in dataclasses.fields(kind) if f.name != "extra"]
+        parsed = {}
+        for f in fields:
+            path = f"{name}.{f.name}" if name else f.name
+            if f.name not in value:
+                if f.default is not dataclasses.MISSING:
+                    continue
+                raise LlmcError(f"{where}: manifest field '{path}' is missing")
+            parsed[f.name] = _parse(hints[f.name], value[f.name], where, path)
+        return kind(**parsed)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):  # a list from JSON, a tuple from the compiler
+            raise _wrong(where, name, "a list", value)
+        return tuple(_parse(args[0], item, where, f"{name}[{i}]") for i, item in enumerate(value))
+    checks = {int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+              float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+              str: (lambda v: isinstance(v, str), "a string"),
+              bool: (lambda v: isinstance(v, bool), "true or false"),
+              dict: (lambda v: isinstance(v, dict), "an object"),
+              list: (lambda v: isinstance(v, (list, tuple)), "a list")}
+    check, expected = checks[kind]
+    if not check(value):
+        raise _wrong(where, name, expected, value)
+    return float(value) if kind is float else value
+
+
+def _wrong(where: str, name: str, expected: str, value: Any) -> LlmcError:
+    shown = repr(value) if len(repr(value)) < 40 else type(value).__name__
+    return LlmcError(f"{where}: manifest field '{name}': expected {expected}, got {shown}")

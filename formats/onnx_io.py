@@ -1,0 +1,480 @@
+"""Loading and saving ONNX models safely, at any size.
+
+Saving goes through a temporary folder next to the destination and renames into place, so a
+failed or interrupted save never leaves a file that looks good. Models whose tensors exceed the
+2 GB protobuf limit are written with their weights in one external-data file beside them.
+
+Past that limit the in-memory model never holds its weights. Its tensors of 1 KiB or more are
+external-data references whose `location` is an absolute path (the source's .onnx.data file, an
+engine file, or a scratch file of this process); `tensor_array` reads one as a read-only memory
+map. Why: protobuf cannot serialize or even size a message past 2 GB, and the upb runtime keeps
+every byte stored in a message until the whole message is freed (clearing a field frees
+nothing), so moving weights in and out of a ModelProto — to size, check or shape-infer it —
+would grow memory by the weights each time. A pass that makes a big tensor (merged QKV, fp16 or
+int4 weights) stores it inline; `spill_large_tensors` moves it to the scratch file the next time
+the model is inferred, checked or serialized. Small models are held and saved inline, as always.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+from llmc.errors import LlmcError, first_line
+
+# Protobuf cannot serialize a message of 2 GiB or more; stay clear of it with headroom for the graph.
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+# In a large model, tensors this size or more live in external data; smaller ones (shape
+# arithmetic that shape inference folds) stay inline.
+EXTERNAL_MIN_BYTES = 1024
+# External tensors start at multiples of this, so a reader can memory-map them in place.
+_ALIGN = 4096
+_CHUNK = 1 << 26
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """External data that stays on disk: `path` from byte `offset` on (a model's data file, or
+    an engine's data section). onnxruntime reads it itself, holding the weights once."""
+
+    path: Path
+    offset: int = 0
+
+
+def load_onnx(path: str | os.PathLike, *, load_weights: bool = True) -> onnx.ModelProto:
+    """Load an ONNX file, with its external data if any.
+
+    Past 2 GB the weights are not read: their references are pinned to absolute paths and
+    read on demand (see the module docstring).
+
+    Args:
+        path: the .onnx file.
+        load_weights: False reads only the graph, leaving external tensors as references.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise LlmcError(f"{path}: no such file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises several unrelated types on garbage input
+        raise LlmcError(f"{path}: not a readable ONNX model ({first_line(exc, 200)})") from None
+    if not load_weights or not any(uses_external_data(t) for t in _get_all_tensors(model)):
+        return model
+    try:
+        if is_large(model):
+            _pin_locations(model, path.parent)
+        else:
+            onnx.load_external_data_for_model(model, str(path.parent))
+    except (OSError, ValueError, onnx.checker.ValidationError) as exc:
+        raise LlmcError(f"{path}: cannot read its external data ({first_line(exc, 200)})") from None
+    return model
+
+
+def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
+    """Write `model` to `path` atomically; weights go to `<name>.data` when the model is large.
+
+    A large model's references then point into the written data file.
+
+    Args:
+        model: the model.
+        path: the destination .onnx file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_name = path.name + ".data"
+    staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
+    try:
+        staged = staging / path.name
+        if _has_external_weights(model):
+            offsets = _write_with_external_data(model, staged, data_name)
+            os.replace(staging / data_name, path.parent / data_name)
+            # The source data file may just have been replaced: point at what was written.
+            _repoint(model, path.parent / data_name, offsets)
+        else:
+            onnx.save_model(model, str(staged))
+            if (path.parent / data_name).exists():
+                (path.parent / data_name).unlink()  # a stale data file from an earlier, larger save
+        os.replace(staged, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def save_ir_model(model, path: str | os.PathLike) -> None:
+    """Write an onnx_ir model (what torch.onnx exports) atomically, like `save_onnx`; past 2 GB
+    its tensors go straight to the data file, never all copied into one ModelProto.
+
+    Args:
+        model: an `onnx_ir.Model`.
+        path: the destination .onnx file.
+    """
+    import onnx_ir as ir  # onnxscript's dependency; only the exporter needs it
+
+    total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    if total <= EXTERNAL_DATA_THRESHOLD:
+        save_onnx(ir.serde.serialize_model(model), path)
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_name = path.name + ".data"
+    staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
+    try:
+        ir.save(model, staging / path.name, external_data=data_name, size_threshold_bytes=EXTERNAL_MIN_BYTES)
+        os.replace(staging / data_name, path.parent / data_name)
+        os.replace(staging / path.name, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_model_files(model: onnx.ModelProto, folder: str | os.PathLike) -> dict[str, Path]:
+    """Write the model as files into `folder`: {"model.onnx": path}, plus "model.onnx.data" past
+    2 GB, the weights streamed from where they are (no copy of them in memory).
+
+    Args:
+        model: the model.
+        folder: an existing folder.
+    """
+    path = Path(folder) / "model.onnx"
+    if not _has_external_weights(model):
+        onnx.save_model(model, str(path))
+        return {"model.onnx": path}
+    _write_with_external_data(model, path, "model.onnx.data")
+    return {"model.onnx": path, "model.onnx.data": path.with_name("model.onnx.data")}
+
+
+def model_bytes(model: onnx.ModelProto) -> int:
+    """Bytes the model's graph and weights take, external weights included; works past 2 GB."""
+    total = sum(n.ByteSize() for n in model.graph.node)  # Constant nodes may hold tensors
+    for tensor in model.graph.initializer:
+        total += _external_length(tensor) if uses_external_data(tensor) else tensor.ByteSize()
+    return total
+
+
+def is_large(model: onnx.ModelProto) -> bool:
+    """Whether the model is too big to be one protobuf message (sized tensor by tensor: protobuf
+    cannot size a message past 2 GB)."""
+    return model_bytes(model) > EXTERNAL_DATA_THRESHOLD
+
+
+def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
+    """The value of a tensor; one in external data (a large model's weights) is memory-mapped
+    read-only, not loaded into the proto (which onnx's `numpy_helper.to_array` would do).
+
+    Args:
+        tensor: an initializer or attribute tensor.
+    """
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    info = ExternalDataInfo(tensor)
+    if not os.path.isabs(info.location):
+        raise LlmcError(f"tensor '{tensor.name}': its external data was not loaded")
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type))
+    length = _external_length(tensor)
+    if dtype.kind not in "biufc" or length == 0 or length != dtype.itemsize * int(np.prod(tensor.dims)):
+        # Packed or exotic types (int4, bfloat16, ...): decode a copy with onnx's own code.
+        inline = onnx.TensorProto()
+        inline.CopyFrom(tensor)
+        _set_inline(inline, _read_range(info.location, info.offset, length))
+        return numpy_helper.to_array(inline)
+    return np.memmap(info.location, dtype.newbyteorder("<"), "r", info.offset, tuple(tensor.dims))
+
+
+def make_initializer(value: np.ndarray, name: str, *, external: bool) -> onnx.TensorProto:
+    """`numpy_helper.from_array`, except that with `external` (a pass working on a model past
+    2 GB) a tensor of `EXTERNAL_MIN_BYTES` or more is written straight to the scratch data file:
+    a merged or converted weight then never enters (and stays in) the model's protobuf memory.
+
+    Args:
+        value: the tensor's value.
+        name: its name.
+        external: whether the model it is for is large (`is_large`).
+    """
+    value = np.asarray(value)
+    if not external or value.nbytes < EXTERNAL_MIN_BYTES or value.dtype.kind not in "biuf":
+        return numpy_helper.from_array(value, name)
+    data = np.ascontiguousarray(value, value.dtype.newbyteorder("<"))
+    tensor = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(value.dtype),
+                              dims=value.shape)
+    scratch = _scratch_file()
+    with open(scratch, "ab") as out:
+        offset = _append_aligned(out, data.data.cast("B") if data.ndim else data.tobytes())
+    _set_external(tensor, str(scratch), offset, data.nbytes)
+    return tensor
+
+
+def spill_large_tensors(model: onnx.ModelProto) -> int:
+    """Move a large model's inline tensors of `EXTERNAL_MIN_BYTES` or more to this process's
+    scratch data file (see the module docstring); returns the bytes moved.
+
+    Args:
+        model: the model, changed in place (its values are not).
+    """
+    if not is_large(model):
+        return 0
+    moved = 0
+    scratch = _scratch_file()
+    with open(scratch, "ab") as out:
+        for tensor in _get_all_tensors(model):
+            if (uses_external_data(tensor) or tensor.data_type == onnx.TensorProto.STRING
+                    or tensor.ByteSize() < EXTERNAL_MIN_BYTES):
+                continue
+            data = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+            offset = _append_aligned(out, data)
+            _set_external(tensor, str(scratch), offset, len(data))
+            moved += len(data)
+    return moved
+
+
+def infer_shapes(model: onnx.ModelProto, **options) -> onnx.ModelProto:
+    """onnx shape inference that also works past 2 GB (weights' bytes are not needed for shapes).
+
+    Args:
+        model: the model; the returned inferred copy holds the same weights.
+        options: passed to `onnx.shape_inference.infer_shapes` (e.g. data_prop, strict_mode).
+    """
+    return transform_without_weights(model, lambda m: onnx.shape_inference.infer_shapes(m, **options))
+
+
+def transform_without_weights(model: onnx.ModelProto, transform) -> onnx.ModelProto:
+    """Apply an onnx tool that serializes the model (shape inference, version conversion) to a
+    model of any size: past 2 GB its big tensors move to external data first, and the result
+    references the same data."""
+    spill_large_tensors(model)
+    return transform(model)
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """onnx.checker on a model of any size (raises onnx's own errors).
+
+    Past 2 GB the checker only works on files: the graph is written to a temporary folder beside
+    sparse stand-ins of the data files it references (same sizes, no bytes: the checker checks
+    the references, not the values; it refuses links to the real files).
+    """
+    if not _has_external_weights(model):
+        onnx.checker.check_model(model)
+        return
+    spill_large_tensors(model)
+    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
+        graph = onnx.ModelProto()
+        graph.CopyFrom(model)  # cheap: the weights are references
+        aliases: dict[str, str] = {}
+        for tensor in _get_all_tensors(graph):
+            if uses_external_data(tensor):
+                source = ExternalDataInfo(tensor).location
+                if source not in aliases:
+                    aliases[source] = f"weights{len(aliases)}.data"
+                    with open(Path(folder) / aliases[source], "wb") as stand_in:
+                        stand_in.truncate(os.path.getsize(source))
+                _set_location(tensor, aliases[source])
+        onnx.save_model(graph, str(Path(folder) / "model.onnx"))
+        onnx.checker.check_model(str(Path(folder) / "model.onnx"))
+
+
+def serialize(model: onnx.ModelProto) -> dict[str, bytes | memoryview | FileRange]:
+    """The model as files: {"model.onnx": ...}, plus "model.onnx.data" when past 2 GB.
+
+    The data is never bytes in memory: the model's own data file as a `FileRange` when all its
+    weights are in one, else a read-only memory map of a temporary copy.
+    """
+    if not _has_external_weights(model):
+        return {"model.onnx": model.SerializeToString()}
+    spill_large_tensors(model)
+    sources = {ExternalDataInfo(t).location for t in _get_all_tensors(model) if uses_external_data(t)}
+    if len(sources) == 1:  # reference that file as it is: no copy
+        graph = onnx.ModelProto()
+        graph.CopyFrom(model)
+        for tensor in _get_all_tensors(graph):
+            if uses_external_data(tensor):
+                _set_location(tensor, "model.onnx.data")
+        return {"model.onnx": graph.SerializeToString(), "model.onnx.data": FileRange(Path(sources.pop()))}
+    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
+        files = write_model_files(model, folder)
+        return {"model.onnx": files["model.onnx"].read_bytes(),
+                "model.onnx.data": _map_file(files["model.onnx.data"])}  # mapped before the folder goes
+
+
+def point_to_file(graph: bytes, data: FileRange) -> bytes:
+    """A serialized graph whose "model.onnx.data" references now name `data`'s file (by its
+    base name: onnxruntime resolves it in that folder), at offsets shifted by `data.offset`."""
+    model = onnx.load_from_string(bytes(graph))
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            info = ExternalDataInfo(tensor)
+            _set_external(tensor, data.path.name, (info.offset or 0) + data.offset, _external_length(tensor))
+    return model.SerializeToString()
+
+
+def validate(model: onnx.ModelProto, source: Path) -> None:
+    """Reject a malformed graph (checker, strict typed shape inference) naming the file."""
+    try:
+        check_model(model)
+        try:
+            infer_shapes(model, check_type=True, strict_mode=True)
+        except Exception:
+            if not model.graph.value_info:
+                raise
+            # The file's own value_info may be wrong (onnxruntime-genai's builder declares its
+            # [1]-shaped constants as scalars): it is only a hint, so infer shapes afresh.
+            del model.graph.value_info[:]
+            infer_shapes(model, check_type=True, strict_mode=True)
+    except Exception as exc:  # checker and inference raise several types; all mean "invalid graph"
+        raise LlmcError(f"{source}: invalid ONNX graph: {first_line(exc, 200)}") from None
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write a text file through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+
+# --- external data ---------------------------------------------------------------------------
+
+
+def _has_external_weights(model: onnx.ModelProto) -> bool:
+    """Whether the model needs a data file: it is large, or references one (pinned by load_onnx)."""
+    return is_large(model) or any(uses_external_data(t) for t in _get_all_tensors(model))
+
+
+def _external_length(tensor: onnx.TensorProto) -> int:
+    info = ExternalDataInfo(tensor)
+    if info.length is not None:
+        return int(info.length)
+    itemsize = np.dtype(helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    return itemsize * int(np.prod(tensor.dims))
+
+
+def _pin_locations(model: onnx.ModelProto, folder: Path) -> None:
+    """Make external locations absolute (and lengths explicit) so the model can go anywhere."""
+    root = folder.resolve()
+    for tensor in _get_all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        info = ExternalDataInfo(tensor)
+        source = (root / info.location).resolve()
+        if root not in source.parents or not source.is_file():
+            raise ValueError(f"tensor '{tensor.name}': data file '{info.location}' is not a file beside the model")
+        _set_external(tensor, str(source), info.offset or 0, _external_length(tensor))
+
+
+def _write_with_external_data(model: onnx.ModelProto, path: Path, data_name: str) -> list[int]:
+    """Write the graph to `path` and every tensor of 1 KiB or more to `data_name` beside it,
+    streaming from the tensors' current files; returns the new offsets, in `_get_all_tensors` order."""
+    spill_large_tensors(model)
+    graph = onnx.ModelProto()
+    graph.CopyFrom(model)  # cheap after spilling: the weights are references
+    offsets = []
+    with open(path.with_name(data_name), "wb") as out:
+        for tensor in _get_all_tensors(graph):
+            if uses_external_data(tensor):
+                info = ExternalDataInfo(tensor)
+                length = _external_length(tensor)
+                offset = _pad(out)
+                _copy_range(info.location, info.offset or 0, length, out)
+            elif tensor.data_type != onnx.TensorProto.STRING and tensor.ByteSize() >= EXTERNAL_MIN_BYTES:
+                data = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+                length, offset = len(data), _append_aligned(out, data)
+            else:
+                offsets.append(None)
+                continue
+            _set_external(tensor, data_name, offset, length)
+            offsets.append(offset)
+    onnx.save_model(graph, str(path))
+    return offsets
+
+
+def _repoint(model: onnx.ModelProto, data_file: Path, offsets: list[int | None]) -> None:
+    """After a save, reference the written data file at `offsets` (tensors that were references)."""
+    for tensor, offset in zip(_get_all_tensors(model), offsets):
+        if offset is not None and uses_external_data(tensor):
+            _set_external(tensor, str(data_file.resolve()), offset, _external_length(tensor))
+
+
+def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    tensor.ClearField("raw_data")
+    for name in _TYPED_FIELDS:
+        tensor.ClearField(name)
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def _set_location(tensor: onnx.TensorProto, location: str) -> None:
+    for entry in tensor.external_data:
+        if entry.key == "location":
+            entry.value = location
+
+
+def _set_inline(tensor: onnx.TensorProto, data: bytes) -> None:
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    tensor.raw_data = data
+
+
+def _pad(out) -> int:
+    offset = -(-out.tell() // _ALIGN) * _ALIGN
+    out.write(b"\0" * (offset - out.tell()))
+    return offset
+
+
+def _append_aligned(out, data: bytes) -> int:
+    offset = _pad(out)
+    out.write(data)
+    return offset
+
+
+def _copy_range(source: str, offset: int, length: int, out) -> None:
+    """Stream `length` bytes of `source` from `offset` into `out` (through the page cache, not
+    into this process's memory)."""
+    with open(source, "rb") as f:
+        f.seek(offset)
+        while length > 0:
+            chunk = f.read(min(_CHUNK, length))
+            if not chunk:
+                raise LlmcError(f"{source}: external data ends before the {length} bytes a tensor needs")
+            out.write(chunk)
+            length -= len(chunk)
+
+
+def _read_range(source: str, offset: int, length: int) -> bytes:
+    with open(source, "rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    if len(data) != length:
+        raise LlmcError(f"{source}: external data ends before the {length} bytes a tensor needs")
+    return data
+
+
+def _map_file(path: str | os.PathLike) -> memoryview:
+    with open(path, "rb") as f:
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+_scratch_dir: tempfile.TemporaryDirectory | None = None
+
+
+def _scratch_file() -> Path:
+    """This process's scratch data file (in TMPDIR; removed at exit)."""
+    global _scratch_dir
+    if _scratch_dir is None:
+        _scratch_dir = tempfile.TemporaryDirectory(prefix="llmc-weights-")
+    return Path(_scratch_dir.name) / "spilled.data"

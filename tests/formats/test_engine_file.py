@@ -1,0 +1,136 @@
+"""The engine file format: round trip, the manifest's schema, and every way a file can be bad."""
+
+import json
+import struct
+
+import pytest
+
+from llmc.formats import engine_file
+from llmc.formats.engine_file import read_engine, read_manifest, write_engine
+from llmc.formats.manifest import FORMAT_VERSION
+from llmc.errors import LlmcError
+
+SECTIONS = {"empty": b"", "model.onnx": b"\x01" * 1000, "tokenizer.json": b'{"x": 1}'}
+GEOMETRY = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "vocab_size": 64,
+            "max_positions": 128}
+# A contiguous engine's manifest as `llmc compile` writes it, but for format_version and sections.
+MANIFEST = {"llmc_version": "0", "created": "2026-12-01T00:00:00Z", "backend": "onnxruntime",
+            "geometry": GEOMETRY, "dtype": "float32", "has_position_ids": True, "sliding_window": None,
+            "layer_windows": None, "source": {"file": "model.onnx", "sha256": "0" * 64, "nodes": 1},
+            "build_options": {}, "optimization": [], "precision": None, "paged": None,
+            "not_paged": "not requested"}
+
+
+@pytest.fixture
+def engine(tmp_path):
+    path = tmp_path / "engine.plan"
+    write_engine(path, MANIFEST, SECTIONS)
+    return path
+
+
+def test_round_trip_keeps_manifest_and_sections(engine):
+    loaded = read_engine(engine)
+    assert loaded.manifest.backend == "onnxruntime"
+    assert loaded.manifest.geometry.num_kv_heads == 2
+    assert loaded.manifest.format_version == FORMAT_VERSION
+    assert {name: bytes(data) for name, data in loaded.sections.items()} == SECTIONS
+    assert [s.offset % 64 for s in loaded.manifest.sections] == [0, 0, 0]
+    assert read_manifest(engine) == loaded.manifest.to_dict()
+    assert {k: read_manifest(engine)[k] for k in MANIFEST} == MANIFEST
+
+
+def rewrite_manifest(path, change):
+    """The engine at `path` with its manifest JSON changed by `change` (header length fixed up)."""
+    data = path.read_bytes()
+    _, version, length = struct.unpack_from("<8sIQ", data)
+    manifest = json.loads(data[20:20 + length])
+    change(manifest)
+    raw = json.dumps(manifest).encode().ljust(length)  # same length: section offsets stay right
+    assert len(raw) == length
+    path.write_bytes(data[:20] + raw + data[20 + length:])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m["geometry"].update(num_layers="2"), r"manifest field 'geometry.num_layers': expected an integer, got '2'"),
+    (lambda m: m.pop("dtype"), r"manifest field 'dtype' is missing"),
+    (lambda m: m.update(has_position_ids=1), r"manifest field 'has_position_ids': expected true or false"),
+    (lambda m: m.update(paged=[]), r"manifest field 'paged': expected an object"),
+    (lambda m: m["sections"][0].pop("sha256"), r"manifest field 'sections\[0\].sha256' is missing"),
+    (lambda m: m.update(format_version=1), r"engine format 1 was written by another llmc"),
+])
+def test_a_manifest_of_the_wrong_shape_is_one_error_naming_the_field(engine, change, message):
+    rewrite_manifest(engine, change)
+    with pytest.raises(LlmcError, match="engine.plan: " + message):
+        read_engine(engine)
+
+
+def test_older_format_version_is_refused_with_a_way_out(engine):
+    data = bytearray(engine.read_bytes())
+    struct.pack_into("<I", data, 8, 1)
+    engine.write_bytes(bytes(data))
+    with pytest.raises(LlmcError, match="format version 1 was written by an older llmc .* recompile it"):
+        read_engine(engine)
+
+
+def test_compile_writes_only_what_the_schema_reads(tmp_path):
+    with pytest.raises(LlmcError, match="manifest field 'geometry' is missing"):
+        write_engine(tmp_path / "e.plan", {k: v for k, v in MANIFEST.items() if k != "geometry"}, SECTIONS)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_truncated_file_is_named(engine):
+    data = engine.read_bytes()
+    engine.write_bytes(data[:-10])
+    with pytest.raises(LlmcError, match=r"engine.plan: truncated engine file .*'tokenizer.json'"):
+        read_engine(engine)
+
+
+def test_corrupted_section_fails_its_checksum(engine):
+    data = bytearray(engine.read_bytes())
+    data[-3] ^= 0xFF  # inside the last section
+    engine.write_bytes(bytes(data))
+    with pytest.raises(LlmcError, match="checksum mismatch in section 'tokenizer.json'"):
+        read_engine(engine)
+
+
+def test_newer_format_version_is_refused(engine):
+    data = bytearray(engine.read_bytes())
+    struct.pack_into("<I", data, 8, engine_file.FORMAT_VERSION + 1)
+    engine.write_bytes(bytes(data))
+    with pytest.raises(LlmcError, match=f"format version {FORMAT_VERSION + 1} is newer"):
+        read_manifest(engine)
+
+
+@pytest.mark.parametrize("content", [b"", b"ir_version: 8", b"LLMCENG\0\x02\0\0\0\xff\xff\0\0\0\0\0\0{"])
+def test_not_an_engine_or_broken_header(tmp_path, content):
+    path = tmp_path / "bad.plan"
+    path.write_bytes(content)
+    with pytest.raises(LlmcError, match="bad.plan: (not an llmc engine|truncated)"):
+        read_engine(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(LlmcError, match="nothere.plan: no such file"):
+        read_engine(tmp_path / "nothere.plan")
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    # An unserializable manifest fails mid-write; no file, temporary or final, may remain.
+    with pytest.raises(TypeError):
+        write_engine(tmp_path / "e.plan", {**MANIFEST, "bad": object()}, {"a": b"abc"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_section_is_streamed_in_and_its_offset_recorded(tmp_path):
+    # How a large model's weights get in: named by path, read in chunks, never all in memory.
+    payload = bytes(range(256)) * 5000
+    (tmp_path / "weights.data").write_bytes(payload)
+    path = tmp_path / "engine.plan"
+    write_engine(path, MANIFEST, {"model.onnx": b"graph", "model.onnx.data": tmp_path / "weights.data"})
+    loaded = read_engine(path)
+    assert bytes(loaded.sections["model.onnx.data"]) == payload
+    table = {s.name: s for s in loaded.manifest.sections}
+    assert table["model.onnx.data"].length == len(payload)
+    with open(path, "rb") as f:
+        f.seek(loaded.offsets["model.onnx.data"])
+        assert f.read(len(payload)) == payload

@@ -1,0 +1,64 @@
+"""onnx_io past the 2 GB limit: weights stay in external data, read in place, written by streaming.
+
+These use a lowered threshold to run in milliseconds; tests/compiler/test_large_models.py takes a
+model past the real limit through export, compile and run.
+"""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from llmc.formats import onnx_io
+
+
+def _matmul_model(weights: np.ndarray) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", weights.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", weights.shape[1]])],
+        [numpy_helper.from_array(weights, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.fixture
+def large(monkeypatch):
+    monkeypatch.setattr(onnx_io, "EXTERNAL_DATA_THRESHOLD", 1000)
+
+
+def test_large_model_is_loaded_without_its_weights(tmp_path, large):
+    weights = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    onnx_io.save_onnx(_matmul_model(weights), tmp_path / "m.onnx")
+    assert (tmp_path / "m.onnx.data").is_file()
+
+    model = onnx_io.load_onnx(tmp_path / "m.onnx")
+    tensor = model.graph.initializer[0]
+    assert tensor.data_location == TensorProto.EXTERNAL and not tensor.raw_data
+    assert onnx_io.is_large(model) and model.ByteSize() < 1000  # sized by its references
+    np.testing.assert_array_equal(onnx_io.tensor_array(tensor), weights)
+    assert not tensor.raw_data  # reading did not load the bytes into the proto
+    onnx_io.check_model(model)
+
+
+def test_new_big_tensors_go_to_external_data_and_saving_streams_them(tmp_path, large):
+    weights = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    onnx_io.save_onnx(_matmul_model(weights), tmp_path / "m.onnx")
+    model = onnx_io.load_onnx(tmp_path / "m.onnx")
+    doubled = onnx_io.make_initializer(2 * weights, "w", external=True)
+    assert doubled.data_location == TensorProto.EXTERNAL
+    model.graph.initializer[0].CopyFrom(doubled)
+
+    onnx_io.save_onnx(model, tmp_path / "m.onnx")  # over its own source: staged, then renamed
+    reread = onnx.load(tmp_path / "m.onnx")  # onnx's own loader, weights included
+    np.testing.assert_array_equal(numpy_helper.to_array(reread.graph.initializer[0]), 2 * weights)
+    # The saved model now references the file just written.
+    np.testing.assert_array_equal(onnx_io.tensor_array(model.graph.initializer[0]), 2 * weights)
+
+
+def test_checker_still_rejects_a_broken_large_graph(tmp_path, large):
+    weights = np.ones((64, 32), np.float32)
+    onnx_io.save_onnx(_matmul_model(weights), tmp_path / "m.onnx")
+    model = onnx_io.load_onnx(tmp_path / "m.onnx")
+    model.graph.node[0].op_type = "NoSuchOp"
+    with pytest.raises(Exception, match="NoSuchOp"):
+        onnx_io.check_model(model)
