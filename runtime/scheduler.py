@@ -93,7 +93,6 @@ class Request:
     num_computed: int = 0  # leading tokens whose keys and values are in the pool
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    text: str = ""  # output text released so far
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)

@@ -30,3 +30,49 @@ def test_cli_start_up_imports_neither_torch_nor_tensorrt():
             "print(sorted(m for m in ('torch', 'tensorrt', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+# Who may import whom (STYLE.md, layering): imports point down the stack. Each package lists the
+# llmc packages and top-level modules it must never import.
+FORBIDDEN = {
+    "formats": {"compiler", "passes", "precision", "runtime", "models", "plugins", "llm", "cli", "tokenizer"},
+    "plugins": {"compiler", "passes", "precision", "runtime", "models", "llm", "cli"},
+    "passes": {"compiler", "precision", "runtime", "models", "llm", "cli"},
+    "runtime": {"compiler", "passes", "precision", "models", "llm", "cli"},
+    "precision": {"compiler", "runtime", "models", "llm", "cli"},
+    "compiler": {"runtime", "llm", "cli"},
+    "models": {"compiler", "passes", "precision", "runtime", "plugins", "formats", "llm", "cli"},
+    "llm": {"compiler", "passes", "precision", "models", "cli"},
+    "tokenizer": {"compiler", "passes", "precision", "runtime", "models", "plugins", "formats", "llm", "cli"},
+}
+
+
+def _llmc_imports(path: Path) -> set[str]:
+    """The llmc packages or top-level modules a file imports, at any depth (lazy imports too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "llmc":
+            parts = node.module.split(".")
+            found |= {parts[1]} if len(parts) > 1 else {alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("llmc.")}
+    return found
+
+
+def test_imports_point_down_the_stack():
+    wrong = []
+    for owner, forbidden in FORBIDDEN.items():
+        files = [REPO / f"{owner}.py"] if (REPO / f"{owner}.py").is_file() else sorted((REPO / owner).rglob("*.py"))
+        assert files, owner
+        wrong += [f"{f.relative_to(REPO)} imports llmc.{name}" for f in files for name in _llmc_imports(f) & forbidden]
+    assert wrong == []
+
+
+def test_serving_an_engine_loads_no_compiler():
+    code = ("import sys, llmc.llm, llmc.runtime.engine, llmc.runtime.async_engine; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in (['llmc', 'compiler'], ['llmc', 'passes'], "
+            "['llmc', 'precision'], ['llmc', 'models'])))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
