@@ -45,3 +45,51 @@ def test_a_caller_that_stops_listening_cancels_its_request(tiny_llama_engine):
     tokens = asyncio.run(first_token_only())
     assert len(tokens) == 1 and not engine.engine.has_unfinished()
     assert engine.engine.blocks.num_free_blocks == engine.engine.blocks.num_blocks
+
+
+def test_adds_and_aborts_never_run_while_a_step_does(tiny_llama_engine):
+    """Requests arrive and leave while steps run in the worker thread: every call into the engine
+    must come from one thread at a time (adds and aborts queued to the stepping thread)."""
+    import threading
+    import time
+
+    engine = Engine(tiny_llama_engine)
+    inside, overlaps, threads = threading.Lock(), [], set()
+
+    def exclusive(method):
+        def wrapped(*args, **kwargs):
+            if not inside.acquire(blocking=False):
+                overlaps.append(method.__name__)
+                return method(*args, **kwargs)
+            try:
+                threads.add(threading.get_ident())
+                if method.__name__ == "step":
+                    time.sleep(0.01)  # a slow step: callers arrive while it runs
+                return method(*args, **kwargs)
+            finally:
+                inside.release()
+        return wrapped
+
+    for name in ("add", "abort", "step", "has_unfinished"):
+        setattr(engine, name, exclusive(getattr(engine, name)))
+    served = AsyncEngine(engine)
+
+    async def one(index):
+        await asyncio.sleep(0.005 * index)  # arrivals spread over the first steps
+        tokens = []
+        async with contextlib.aclosing(served.generate(f"request {index}", PARAMS["long"])) as stream:
+            async for output in stream:
+                tokens += output.new_token_ids
+                if index % 3 == 0 and len(tokens) == 3:
+                    break  # leaves early: an abort while others step
+        return tokens
+
+    async def main():
+        results = await asyncio.gather(*(one(i) for i in range(12)))
+        await served.wait_idle()
+        return results
+
+    results = asyncio.run(main())
+    assert overlaps == []
+    assert [len(t) for t in results] == [3 if i % 3 == 0 else 20 for i in range(12)]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
