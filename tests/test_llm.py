@@ -79,3 +79,28 @@ def test_stream_yields_the_generated_tokens(llm):
 def test_mismatched_params_list_is_refused(llm):
     with pytest.raises(ValueError, match="2 sampling settings for 3 prompts"):
         llm.generate(PROMPTS, [SamplingParams()] * 2)
+
+
+def test_one_engine_serves_every_call_and_keeps_its_prefix_cache(tiny_llama_engine):
+    llm = LLM(tiny_llama_engine)
+    engine = llm.engine
+    prompt = "class Node:\n    def __init__(self, value):\n        self.value = value\n" * 2
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    first = llm.generate(prompt, params)[0]
+    assert engine.blocks.stats.cached_prompt_tokens == 0
+    # logits borrow fresh blocks from the same block manager and give them back
+    logits = llm.logits(first.prompt_token_ids)
+    assert logits.shape == (len(first.prompt_token_ids), llm.manifest.geometry.vocab_size)
+    assert int(logits[-1].argmax()) == first.token_ids[0]
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    streamed = [chunk.token_id for chunk in llm.stream(prompt, params)]
+    assert llm.engine is engine and streamed == first.token_ids
+    assert engine.blocks.stats.cached_prompt_tokens > 0  # the second call reused the first's blocks
+
+
+def test_leaving_a_stream_early_frees_its_request(llm):
+    stream = llm.stream("def f(x):", SamplingParams(max_new_tokens=20, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
