@@ -2,29 +2,80 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import click
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, first_line
 
 
 class _Group(click.Group):
-    """Turns bad-input errors into one line on stderr and exit status 2.
+    """Applies the error policy: a user's mistake is one line and exit 2, anything else is a bug.
 
-    ValueError covers LlmcError and the models' own validation; OSError covers unreadable or
-    unwritable paths.
+    LlmcError, and an OSError about a path (missing, unreadable, a folder where a file belongs)
+    or the disk (full, read-only), print `llmc: error: <message>` and exit 2. Any other exception
+    is a bug: one `llmc: internal error:` line and exit 1, with the traceback under --debug or
+    LLMC_DEBUG=1. Ctrl-C exits 130; a closed output pipe exits 141 without a word. click's own
+    usage errors pass through (exit 2).
     """
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (ValueError, OSError) as exc:
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            click.echo(f"llmc: error: {message}", err=True)
-            sys.exit(2)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except LlmcError as exc:
+            _fail(f"llmc: error: {first_line(exc, 1000)}", 2)
+        except KeyboardInterrupt:
+            _fail("llmc: interrupted", 130)
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:  # the reader went away (`llmc run ... | head`): stop quietly
+                _silence_stdout()
+                sys.exit(128 + 13)  # as if killed by SIGPIPE, which Python ignores
+            if not _is_users_os_error(exc):
+                _internal_error(exc, ctx)
+            where = f"{exc.filename}: " if exc.filename else ""
+            reason = exc.strerror or first_line(exc)
+            _fail(f"llmc: error: {where}{reason[:1].lower()}{reason[1:]}", 2)
+        except Exception as exc:
+            _internal_error(exc, ctx)
+
+
+# The disk, not the program: full, over quota, read-only, or a file past the size limit.
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+def _is_users_os_error(exc: OSError) -> bool:
+    """An OSError about a path the user gave, or about the disk: not a bug in llmc."""
+    about_path = isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
+    return (about_path and exc.filename is not None) or exc.errno in _ENVIRONMENT_ERRNOS
+
+
+def _internal_error(exc: Exception, ctx: click.Context) -> None:
+    text = str(exc).strip()
+    what = type(exc).__name__ + (f": {text.splitlines()[0][:300]}" if text else "")
+    if ctx.params.get("debug"):
+        click.echo("".join(traceback.format_exception(exc)).rstrip(), err=True)
+        _fail(f"llmc: internal error: {what} (this is a bug; the traceback is above)", 1)
+    _fail(f"llmc: internal error: {what} (this is a bug; rerun with --debug for the traceback)", 1)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush does not fail on the closed pipe."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass  # not a real file (e.g. click's test runner)
+
+
+def _fail(line: str, status: int) -> None:
+    click.echo(line, err=True)
+    sys.exit(status)
 
 
 def _progress(message: str) -> None:
@@ -33,7 +84,9 @@ def _progress(message: str) -> None:
 
 @click.group(cls=_Group)
 @click.version_option(package_name="llmc")
-def main():
+@click.option("--debug", is_flag=True, envvar="LLMC_DEBUG",
+              help="On an internal error, print the traceback (also LLMC_DEBUG=1).")
+def main(debug):
     """Compile decoder language models into engines and run them."""
 
 
@@ -150,7 +203,7 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def inspect(path, as_json):
     """Show what is inside an engine file or an ONNX model."""
-    from llmc.compiler.engine_file import MAGIC, read_manifest
+    from llmc.formats.engine_file import MAGIC, read_manifest
 
     with open(_existing(path), "rb") as f:
         is_engine = f.read(len(MAGIC)) == MAGIC
@@ -203,6 +256,8 @@ def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p
     prompts = list(prompts) + (_read_prompts(Path(prompts_file)) if prompts_file else [])
     if not prompts:
         raise LlmcError("--prompt: give at least one prompt (or --prompts-file)")
+    for index, prompt in enumerate(prompts):
+        _check_prompt_text(prompt, index)
     llm = LLM(engine)
     for index, prompt in enumerate(prompts):
         llm.encode(prompt, index)  # reject a bad prompt before generating for any
@@ -270,13 +325,30 @@ def _stream_one(llm, prompt: str, params, as_json: bool) -> None:
         click.echo()
 
 
+def _check_prompt_text(prompt: str, index: int) -> None:
+    """Refuse an empty prompt, and text that is not Unicode: a command-line argument whose bytes were
+    not UTF-8 arrives holding surrogate escapes (U+DC80-U+DCFF), as can a JSON string's lone \\ud800."""
+    if not prompt:
+        raise LlmcError(f"prompt {index}: empty: give some text to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = (f"byte 0x{code - 0xDC00:02x} is not UTF-8" if 0xDC80 <= code <= 0xDCFF
+                else f"lone surrogate U+{code:04X}")
+        raise LlmcError(f"prompt {index}: not valid text: {what} (character {e.start})") from None
+
+
 def _read_prompts(path: Path) -> list[str]:
     if not path.is_file():
         raise LlmcError(f"{path}: no such file")
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise LlmcError(f"{path}: not UTF-8 text") from None
+        # Only newlines end a line: str.splitlines would also split a prompt at U+2028 or a form feed.
+        lines = [line.removesuffix("\r") for line in data.decode("utf-8").split("\n")]
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise LlmcError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
     if path.suffix != ".jsonl":
         return [line for line in lines if line.strip()]
     prompts = []
@@ -285,8 +357,8 @@ def _read_prompts(path: Path) -> list[str]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
-            raise LlmcError(f"{path}:{number}: not valid JSON") from None
+        except json.JSONDecodeError as e:
+            raise LlmcError(f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno})") from None
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise LlmcError(f"{path}:{number}: expected an object with a string 'prompt'")
         prompts.append(record["prompt"])
@@ -315,6 +387,8 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
     from llmc.runtime import bench as serving
 
     prompts = _read_prompts(Path(prompts_file)) if prompts_file else None
+    for index, prompt in enumerate(prompts or []):
+        _check_prompt_text(prompt, index)
     if requests is None:
         requests = len(prompts) if prompts else 64
     spec = serving.WorkloadSpec(requests=requests, prompt_len=prompt_len, prompt_len_max=prompt_len_max,
@@ -388,8 +462,8 @@ def check(engine_path, reference, data, window, max_tokens, generate, max_ppl_in
 def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accuracy_budget, exhaustive, output, as_json):
     """Rank linear layers by the error quantizing each alone causes; fit an accuracy budget."""
     from llmc.compiler.build import find_tokenizer
-    from llmc.compiler.decoder_interface import recognize_decoder
-    from llmc.compiler.onnx_io import load_onnx, validate, write_text_atomic
+    from llmc.formats.decoder_interface import recognize_decoder
+    from llmc.formats.onnx_io import load_onnx, validate, write_text_atomic
     from llmc.compiler.pipeline import optimize
     from llmc.precision.calibration import check_calibrator
     from llmc.precision.data import read_documents, windows
@@ -424,3 +498,7 @@ def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accurac
     kept = f", {len(result.kept_fp32)} kept in fp32 ({', '.join(result.kept_fp32)})" if result.kept_fp32 else ""
     click.echo(f"all {target}{kept}: perplexity {result.ppl_fp32:.4f} → {result.ppl_quantized:.4f} "
                f"({result.ppl_increase_pct:+.3f}%) in {result.seconds:.0f} s" + (f"; wrote {output}" if output else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,18 @@
-"""The one exception type users see.
+"""The one exception type users see, and the policy for everything else.
 
-`LlmcError` subclasses `ValueError` so that library callers can catch either; the CLI prints
-its message as one line and exits with status 2. Messages name the file, node or option at
-fault first, e.g. ``model.onnx: not a decoder with past: no input 'past_key_values.0.key'``.
+`LlmcError` means bad input: a file, graph, option or request llmc cannot use. Its message
+names the file, node or option at fault first, e.g.
+``model.onnx: not a decoder with past: no input 'past_key_values.0.key'``. The CLI prints it as
+``llmc: error: <message>`` and exits 2 (so does an OSError about a path the user gave or about
+the disk: missing, unreadable, full). Every other exception is a bug: the CLI prints one
+``llmc: internal error: ...`` line, exits 1, and shows the traceback under ``--debug`` or
+``LLMC_DEBUG=1``.
+
+`LlmcError` still subclasses `ValueError`: library callers that catch ValueError around
+`LLM(...)`, `load_model` or `compile_model` keep working. The subclass does not blur the
+policy, because the CLI catches `LlmcError` itself, never ValueError: a ValueError raised deep
+inside NumPy, ONNX or our own code is reported as the bug it is. Code that re-wraps an error to
+add a file name catches `LlmcError`, not ValueError, for the same reason.
 """
 
 

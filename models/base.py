@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from llmc.errors import LlmcError
+
 
 class DecoderLM(torch.nn.Module):
     """Base class: shape properties read from `self.args`, plus how parameter names map to HF files.
@@ -95,6 +97,6 @@ class DecoderLM(torch.nn.Module):
             past_key_values: the `past_key_values` argument of `forward`.
         """
         if len(past_key_values) != self.num_layers:
-            raise ValueError(
+            raise LlmcError(
                 f"past_key_values has {len(past_key_values)} layers, the model has {self.num_layers}"
             )

@@ -3,7 +3,7 @@
 Weights are read with safetensors directly, so transformers is not needed at run time.
 Every tensor in the files must map to one of our parameters (buffers such as rotary
 tables and GPT-2 causal masks are skipped) and every parameter must be found, with the
-right shape; otherwise a ValueError names the tensor and the file.
+right shape; otherwise an LlmcError names the tensor and the file.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .base import DecoderLM
 from .decoder import Decoder, DecoderArgs
 from .gpt2 import GPT2, GPT2Args
 from .hf_config import READERS
 from llmc.tokenizer import Tokenizer
+from llmc.errors import LlmcError, first_line
 
 # model_type in config.json -> (args class, model class): the generic decoder's families, and GPT-2.
 FAMILIES: dict[str, tuple[Any, type[DecoderLM]]] = {
@@ -55,10 +56,15 @@ def load_checkpoint(folder: str | Path) -> LoadedModel:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise ValueError(f"checkpoint folder {folder} does not exist")
+        raise LlmcError(f"checkpoint folder {folder} does not exist")
     model = build_model(read_config(folder), folder / "config.json")
     load_weights(model, folder)
-    tokenizer = Tokenizer.from_folder(folder)
+    try:
+        tokenizer = Tokenizer.from_folder(folder)
+    except LlmcError:
+        raise
+    except ValueError as e:  # the tokenizer module reports bad files as plain ValueErrors
+        raise LlmcError(first_line(e)) from None
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=folder.resolve().name)
 
 
@@ -70,13 +76,15 @@ def read_config(folder: Path) -> dict[str, Any]:
     """
     path = folder / "config.json"
     if not path.is_file():
-        raise ValueError(f"no config.json in {folder}")
+        raise LlmcError(f"no config.json in {folder}")
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise LlmcError(f"{path} is not UTF-8 text") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+        raise LlmcError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
+        raise LlmcError(f"{path} does not hold a JSON object")
     return cfg
 
 
@@ -89,15 +97,17 @@ def build_model(cfg: dict[str, Any], config_path: Path) -> DecoderLM:
     """
     model_type = cfg.get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(
+        raise LlmcError(
             f"{config_path}: model_type {model_type!r} is not supported "
             f"(nearest supported: {_nearest(str(model_type))}; supported: {', '.join(FAMILIES)})"
         )
     args_cls, model_cls = FAMILIES[model_type]
     try:
         args = args_cls.from_hf_config(cfg)
-    except ValueError as e:
-        raise ValueError(f"{config_path}: {e}") from None
+    except LlmcError as e:
+        raise LlmcError(f"{config_path}: {e}") from None
+    except (TypeError, ValueError) as e:  # int()/float() of a field holding the wrong JSON type
+        raise LlmcError(f"{config_path}: a field has the wrong type ({first_line(e, 200)})") from None
     return model_cls(args).float()
 
 
@@ -123,7 +133,7 @@ def load_weights(model: DecoderLM, folder: Path) -> None:
     loaded: set[str] = set()
     files = weight_files(folder)
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _open_safetensors(file) as f:
             for hf_name in f.keys():
                 name = model.normalize_hf_name(hf_name)
                 if name is None or (tied_head and name == "lm_head.weight"):
@@ -131,29 +141,36 @@ def load_weights(model: DecoderLM, folder: Path) -> None:
                 tensor = f.get_tensor(hf_name)
                 try:
                     parts = model.split_hf_tensor(name, tensor)  # a fused tensor (e.g. qkv) -> our parameters
-                except ValueError as e:
-                    raise ValueError(f"{file}: {hf_name!r}: {e}") from None
+                except LlmcError as e:
+                    raise LlmcError(f"{file}: {hf_name!r}: {e}") from None
                 for name, tensor in (parts or {name: tensor}).items():
                     _copy_tensor(params, loaded, model, file, hf_name, name, tensor)
     missing = [model.hf_name(n) for n in params if n not in loaded]
     if missing:
         # A sharded checkpoint's tensor list is its index file.
         where = files[0] if files[0].name == "model.safetensors" else folder / "model.safetensors.index.json"
-        raise ValueError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+        raise LlmcError(f"{where}: missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as e:
+        raise LlmcError(f"{file}: not a readable safetensors file ({first_line(e, 200)})") from None
 
 
 def _copy_tensor(params: dict[str, torch.Tensor], loaded: set[str], model: DecoderLM, file: Path,
                  hf_name: str, name: str, tensor: torch.Tensor) -> None:
     """Check one tensor against our parameter `name` and copy it in (transposed where HF stores it so)."""
     if name not in params:
-        raise ValueError(f"{file}: unexpected tensor {hf_name!r}")
+        raise LlmcError(f"{file}: unexpected tensor {hf_name!r}")
     if name in loaded:
-        raise ValueError(f"{file}: tensor {hf_name!r} is stored more than once")
+        raise LlmcError(f"{file}: tensor {hf_name!r} is stored more than once")
     expected = tuple(params[name].shape)
     if model.hf_transposed(name):
         expected = expected[::-1]
     if tuple(tensor.shape) != expected:
-        raise ValueError(f"{file}: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
+        raise LlmcError(f"{file}: tensor {hf_name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
     if model.hf_transposed(name):
         tensor = tensor.t()
     with torch.no_grad():
@@ -172,13 +189,15 @@ def weight_files(folder: Path) -> list[Path]:
         return [single]
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
-        raise ValueError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+        raise LlmcError(f"no model.safetensors or model.safetensors.index.json in {folder}")
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{index} has no valid weight_map") from None
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        raise LlmcError(f"{index} has no valid weight_map") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise LlmcError(f"{index} has no valid weight_map")
     files = [folder / name for name in sorted(set(weight_map.values()))]
     for file in files:
         if not file.is_file():
-            raise ValueError(f"{index}: shard {file.name} does not exist")
+            raise LlmcError(f"{index}: shard {file.name} does not exist")
     return files

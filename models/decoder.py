@@ -25,6 +25,7 @@ from torch import nn
 
 from .attention import allowed_keys, attend, repeat_kv
 from .base import DecoderLM
+from llmc.errors import LlmcError
 
 # Rope scaling types we implement; "default" means none.
 ROPE_KEYS = {
@@ -89,41 +90,41 @@ class DecoderArgs:
                       "num_kv_heads", "max_position_embeddings"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"DecoderArgs.{field} must be a positive int, got {value!r}")
+                raise LlmcError(f"DecoderArgs.{field} must be a positive int, got {value!r}")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
-                raise ValueError(
+                raise LlmcError(
                     f"DecoderArgs.hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if not isinstance(self.head_dim, int) or self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"DecoderArgs.head_dim must be a positive even int, got {self.head_dim!r}")
+            raise LlmcError(f"DecoderArgs.head_dim must be a positive even int, got {self.head_dim!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
+            raise LlmcError(
                 f"DecoderArgs.num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError("DecoderArgs.rms_norm_eps and rope_theta must be positive")
+            raise LlmcError("DecoderArgs.rms_norm_eps and rope_theta must be positive")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window <= 0):
-            raise ValueError(f"DecoderArgs.sliding_window must be a positive int or None, got {self.sliding_window!r}")
+            raise LlmcError(f"DecoderArgs.sliding_window must be a positive int or None, got {self.sliding_window!r}")
         for field, allowed in (("norm", NORMS), ("mlp", MLPS), ("residual", RESIDUALS), ("activation", ACTIVATIONS)):
             if getattr(self, field) not in allowed:
-                raise ValueError(f"DecoderArgs.{field} {getattr(self, field)!r} is not one of {', '.join(allowed)}")
+                raise LlmcError(f"DecoderArgs.{field} {getattr(self, field)!r} is not one of {', '.join(allowed)}")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_layers:
-            raise ValueError(f"DecoderArgs.sliding_layers has {len(self.sliding_layers)} entries, "
+            raise LlmcError(f"DecoderArgs.sliding_layers has {len(self.sliding_layers)} entries, "
                              f"the model has {self.num_layers} layers")
         if not 0 < self.rotary_fraction <= 1 or self.rotary_dim % 2:
-            raise ValueError(f"DecoderArgs.rotary_fraction {self.rotary_fraction} must give an even rotary "
+            raise LlmcError(f"DecoderArgs.rotary_fraction {self.rotary_fraction} must give an even rotary "
                              f"dimension in (0, head_dim={self.head_dim}]")
         if self.rope_scaling is not None:
             rope_type = rope_type_of(self.rope_scaling)
             if rope_type not in ROPE_KEYS:
-                raise ValueError(
+                raise LlmcError(
                     f"unsupported rope scaling type {rope_type!r} (supported: {', '.join(ROPE_KEYS)})"
                 )
             missing = [k for k in ROPE_KEYS[rope_type] if k not in self.rope_scaling]
             if missing:
-                raise ValueError(f"rope scaling {rope_type!r} lacks {', '.join(missing)}")
+                raise LlmcError(f"rope scaling {rope_type!r} lacks {', '.join(missing)}")
 
     @property
     def rotary_dim(self) -> int:

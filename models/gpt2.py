@@ -15,6 +15,7 @@ from torch import nn
 
 from .attention import allowed_keys, attend
 from .base import DecoderLM
+from llmc.errors import LlmcError
 
 # HF activation names -> torch GELU approximation.
 _ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -39,21 +40,21 @@ class GPT2Args:
         for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_position_embeddings"):
             value = getattr(self, field)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPT2Args.{field} must be a positive int, got {value!r}")
+                raise LlmcError(f"GPT2Args.{field} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_heads:
-            raise ValueError(
+            raise LlmcError(
                 f"GPT2Args.hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
             )
         if self.intermediate_size is None:
             object.__setattr__(self, "intermediate_size", 4 * self.hidden_size)
         if not isinstance(self.intermediate_size, int) or self.intermediate_size <= 0:
-            raise ValueError(f"GPT2Args.intermediate_size must be a positive int, got {self.intermediate_size!r}")
+            raise LlmcError(f"GPT2Args.intermediate_size must be a positive int, got {self.intermediate_size!r}")
         if self.activation not in _ACTIVATIONS:
-            raise ValueError(
+            raise LlmcError(
                 f"GPT2Args.activation {self.activation!r} is not supported ({', '.join(_ACTIVATIONS)})"
             )
         if self.layer_norm_eps <= 0:
-            raise ValueError("GPT2Args.layer_norm_eps must be positive")
+            raise LlmcError("GPT2Args.layer_norm_eps must be positive")
 
     @property
     def num_kv_heads(self) -> int:
@@ -71,17 +72,17 @@ class GPT2Args:
             cfg: the parsed config.json.
         """
         if cfg.get("model_type") != "gpt2":
-            raise ValueError(f"model_type {cfg.get('model_type')!r} is not 'gpt2'")
+            raise LlmcError(f"model_type {cfg.get('model_type')!r} is not 'gpt2'")
         # Variants whose math differs from plain GPT-2; refuse rather than compute wrong logits.
         if cfg.get("scale_attn_by_inverse_layer_idx", False):
-            raise ValueError("gpt2 config scale_attn_by_inverse_layer_idx=true is not supported")
+            raise LlmcError("gpt2 config scale_attn_by_inverse_layer_idx=true is not supported")
         if not cfg.get("scale_attn_weights", True):
-            raise ValueError("gpt2 config scale_attn_weights=false is not supported")
+            raise LlmcError("gpt2 config scale_attn_weights=false is not supported")
         if cfg.get("add_cross_attention", False):
-            raise ValueError("gpt2 config add_cross_attention=true is not supported")
+            raise LlmcError("gpt2 config add_cross_attention=true is not supported")
         for key in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"):
             if key not in cfg:
-                raise ValueError(f"config field {key!r} is missing")
+                raise LlmcError(f"config field {key!r} is missing")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["n_embd"],

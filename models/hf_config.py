@@ -2,7 +2,7 @@
 
 Each reader states only what differs from Llama; `_common` reads the fields every rotary
 family shares. A config whose math we do not implement (an activation, a rope type, a
-layer pattern) raises ValueError rather than produce wrong logits.
+layer pattern) raises LlmcError rather than produce wrong logits.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 from typing import Any, Callable
 
 from .decoder import DecoderArgs, rope_type_of
+from llmc.errors import LlmcError
 
 
 def decoder_args(cfg: dict[str, Any]) -> DecoderArgs:
@@ -21,7 +22,7 @@ def decoder_args(cfg: dict[str, Any]) -> DecoderArgs:
     """
     model_type = cfg.get("model_type")
     if model_type not in READERS:
-        raise ValueError(f"model_type {model_type!r} is not a generic-decoder type ({', '.join(READERS)})")
+        raise LlmcError(f"model_type {model_type!r} is not a generic-decoder type ({', '.join(READERS)})")
     return DecoderArgs(**READERS[model_type](cfg))
 
 
@@ -75,7 +76,7 @@ def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(params, dict) and "full_attention" in params:  # per layer type (transformers >= 5)
         full, local = _rope(params["full_attention"], {}), _rope(params.get("sliding_attention") or {}, {})
         if local[1] is not None:
-            raise ValueError("gemma3 rope scaling on sliding layers is not supported")
+            raise LlmcError("gemma3 rope scaling on sliding layers is not supported")
         args.update(rope_theta=full[0], rope_scaling=full[1], local_rope_theta=local[0])
     else:
         args.update(local_rope_theta=float(cfg.get("rope_local_base_freq", 10000.0)))
@@ -109,7 +110,7 @@ READERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
 def _common(cfg: dict[str, Any], default_act: str = "silu") -> dict[str, Any]:
     act = cfg.get("hidden_act", default_act)
     if cfg.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "phi3") and act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        raise LlmcError(f"hidden_act {act!r} is not supported (only 'silu')")
     params = cfg.get("rope_parameters")
     rope_theta, rope_scaling = _rope(params if params is not None else dict(cfg.get("rope_scaling") or {}), cfg)
     num_heads = _required(cfg, "num_attention_heads")
@@ -132,14 +133,14 @@ def _common(cfg: dict[str, Any], default_act: str = "silu") -> dict[str, Any]:
 
 def _required(cfg: dict[str, Any], key: str) -> Any:
     if key not in cfg:
-        raise ValueError(f"config field {key!r} is missing")
+        raise LlmcError(f"config field {key!r} is missing")
     return cfg[key]
 
 
 def _rope(params: Any, cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling or None) from a rope_parameters (or legacy rope_scaling) dict."""
     if not isinstance(params, dict):
-        raise ValueError(f"config field rope_parameters must be a dict, got {params!r}")
+        raise LlmcError(f"config field rope_parameters must be a dict, got {params!r}")
     theta = float(params.get("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", 10000.0))))
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     if rope_type_of(scaling) == "default":
@@ -176,7 +177,7 @@ def _layer_windows(cfg: dict[str, Any], default_pattern: int) -> dict[str, Any]:
 def _windows_from_types(cfg: dict[str, Any], layer_types: list[str]) -> dict[str, Any]:
     unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
     if unknown:
-        raise ValueError(f"layer_types {unknown[0]!r} is not supported")
+        raise LlmcError(f"layer_types {unknown[0]!r} is not supported")
     sliding = tuple(t == "sliding_attention" for t in layer_types)
     if not any(sliding) or cfg.get("sliding_window") is None:
         return {"sliding_window": None}

@@ -14,6 +14,7 @@ import re
 import torch
 
 from .decoder import DecoderArgs
+from llmc.errors import LlmcError
 
 # (HF substring, our substring), applied in order by plain replacement; reversed for hf_name.
 _RENAMES: dict[str, list[tuple[str, str]]] = {
@@ -87,7 +88,7 @@ def split_hf_tensor(args: DecoderArgs, name: str, tensor: torch.Tensor) -> dict[
     q_rows, kv_rows = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     rows = [q_rows, kv_rows, kv_rows] if len(parts) == 3 else [args.intermediate_size] * 2
     if tensor.shape[0] != sum(rows):
-        raise ValueError(f"tensor has shape {list(tensor.shape)}, expected {[sum(rows), *tensor.shape[1:]]}")
+        raise LlmcError(f"tensor has shape {list(tensor.shape)}, expected {[sum(rows), *tensor.shape[1:]]}")
     if args.weight_layout == "gpt_neox":
         # [heads * 3 * D, ...] with each head's q, k, v rows together.
         per_head = tensor.reshape(args.num_heads, 3, args.head_dim, *tensor.shape[1:])

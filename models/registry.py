@@ -16,6 +16,7 @@ from .base import DecoderLM
 from .checkpoint import LoadedModel, load_checkpoint
 from .decoder import RMSNorm
 from llmc.tokenizer import byte_level_tokenizer
+from llmc.errors import LlmcError
 
 # name -> args; the args type picks the model class. All use the 258-token byte-level tokenizer.
 BUILTIN_MODELS: dict[str, decoder.DecoderArgs | gpt2.GPT2Args] = {**decoder.CONFIGS, **gpt2.CONFIGS}
@@ -32,7 +33,7 @@ def load_model(name_or_path: str | Path) -> LoadedModel:
         return LoadedModel(model=build_builtin(key), tokenizer=byte_level_tokenizer(), name=key)
     if Path(key).is_dir():
         return load_checkpoint(key)
-    raise ValueError(
+    raise LlmcError(
         f"{key!r} is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) nor a checkpoint folder"
     )
 

@@ -1,5 +1,6 @@
 """The command line end to end on tiny-llama, and every bad input it must refuse cleanly."""
 
+import errno
 import json
 import shutil
 import struct
@@ -10,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from llmc.cli import main
+from llmc.formats.engine_file import FORMAT_VERSION
 
 
 def llmc(*args):
@@ -26,12 +28,12 @@ def assert_refused(result, message):
 
 def test_inspect_shows_manifest(tiny_llama_engine):
     manifest = json.loads(llmc("inspect", tiny_llama_engine, "--json").stdout)
-    assert manifest["backend"] == "onnxruntime" and manifest["format_version"] == 1
+    assert manifest["backend"] == "onnxruntime" and manifest["format_version"] == FORMAT_VERSION
     assert manifest["geometry"] == {"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
                                     "vocab_size": 258, "max_positions": 512}
     assert len(manifest["source"]["sha256"]) == 64
     text = llmc("inspect", tiny_llama_engine).stdout
-    assert "4 layers, 4 heads, 2 kv heads" in text and "section       model.onnx" in text
+    assert "4 layers, 4 heads, 2 kv heads" in text and "section       tokenizer.json" in text
 
 
 def test_run_json_matches_python_api(tiny_llama_engine):
@@ -170,18 +172,59 @@ def test_run_without_prompts(tiny_llama_engine):
     assert_refused(llmc("run", tiny_llama_engine), "--prompt: give at least one prompt")
 
 
-def test_run_bad_prompts_file(tiny_llama_engine, tmp_path):
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": 3}\n')
-    assert_refused(llmc("run", tiny_llama_engine, "--prompts-file", tmp_path / "bad.jsonl"),
-                   "bad.jsonl:2: expected an object with a string 'prompt'")
+@pytest.mark.parametrize("name,content,message", [
+    ("bad.jsonl", b'{"prompt": "ok"}\n{"text": 3}\n', "bad.jsonl:2: expected an object with a string 'prompt'"),
+    ("bad.jsonl", b'{"prompt": "ok"}\n\n["not", "an", "object"]\n', "bad.jsonl:3: expected an object"),
+    ("bad.jsonl", b'{"prompt": "ok"}\n{"prompt": 7}\n', "bad.jsonl:2: expected an object with a string 'prompt'"),
+    ("bad.jsonl", b'{"prompt": "ok"}\n{"prompt": "cut\n', "bad.jsonl:2: not valid JSON (Unterminated string"),
+    ("bad.jsonl", b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n', "bad.jsonl:2: not UTF-8 text (byte 0xe9)"),
+    ("bad.txt", b"first\nsecond\ncaf\xe9\n", "bad.txt:3: not UTF-8 text (byte 0xe9)"),
+    ("bad.jsonl", b'{"prompt": "ok"}\n{"prompt": "\\ud800x"}\n', "prompt 1: not valid text: lone surrogate U+D800"),
+    ("bad.jsonl", b'{"prompt": "ok"}\n{"prompt": ""}\n', "prompt 1: empty"),
+])
+def test_run_bad_prompts_file(tiny_llama_engine, tmp_path, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    assert_refused(llmc("run", tiny_llama_engine, "--prompts-file", tmp_path / name), message)
+
+
+def test_prompts_file_with_byte_order_mark_and_crlf(tiny_llama_engine, tmp_path):
+    (tmp_path / "p.jsonl").write_bytes(b'\xef\xbb\xbf{"prompt": "a\\u2028b"}\r\n{"prompt": "c"}\r\n')
+    result = llmc("run", tiny_llama_engine, "--prompts-file", tmp_path / "p.jsonl", "--json", "--max-new-tokens", 1)
+    assert [json.loads(line)["prompt"] for line in result.stdout.splitlines()] == ["a\u2028b", "c"]
+
+
+def test_run_prompt_that_is_not_utf8(tiny_llama_engine):
+    # Linux hands a non-UTF-8 argv byte to Python as a surrogate escape: b"\xff" arrives as "\udcff".
+    assert_refused(llmc("run", tiny_llama_engine, "--prompt", "ok", "--prompt", "ab\udcff"),
+                   "prompt 1: not valid text: byte 0xff is not UTF-8 (character 2)")
+
+
+def test_run_prompt_that_is_not_utf8_from_a_real_argv(tiny_llama_engine):
+    done = subprocess.run([b"llmc", b"run", bytes(tiny_llama_engine), b"--prompt", b"caf\xe9"], capture_output=True)
+    assert done.returncode == 2
+    assert done.stderr == b"llmc: error: prompt 0: not valid text: byte 0xe9 is not UTF-8 (character 3)\n"
+
+
+def test_run_empty_prompt(tiny_llama_engine):
+    assert_refused(llmc("run", tiny_llama_engine, "--prompt", ""), "prompt 0: empty")
+
+
+def test_run_prompt_at_the_length_limit(tiny_llama_engine):
+    # 512 positions; the tokenizer adds BOS: 510 bytes are 511 tokens, the longest that leaves room for one more.
+    result = llmc("run", tiny_llama_engine, "--prompt", "x" * 510, "--max-new-tokens", 8, "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert len(record["prompt_token_ids"]) == 511 and len(record["token_ids"]) >= 1
+    assert_refused(llmc("run", tiny_llama_engine, "--prompt", "x" * 511),
+                   "prompt 0: 512 tokens leave no room in the engine's 512 positions")
 
 
 def test_export_failure_leaves_no_output(tmp_path, monkeypatch):
-    import llmc.compiler.onnx_io as onnx_io
+    import llmc.formats.onnx_io as onnx_io
 
     def broken(*args, **kwargs):
-        raise OSError("disk full")
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(onnx_io.onnx, "save_model", broken)  # the exporter saves through onnx_io
-    assert_refused(llmc("export", "tiny-llama", "-o", tmp_path / "m.onnx", "--no-check"), "disk full")
+    assert_refused(llmc("export", "tiny-llama", "-o", tmp_path / "m.onnx", "--no-check"), "no space left on device")
     assert list(tmp_path.iterdir()) == []

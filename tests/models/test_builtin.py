@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmc.errors import LlmcError
 from llmc.models import BUILTIN_MODELS, load_model
 from llmc.models.gpt2 import GPT2Args
 from llmc.models.decoder import DecoderArgs as LlamaArgs
@@ -59,7 +60,7 @@ def test_fully_padded_row_gives_no_nan() -> None:
 def test_past_with_wrong_layer_count() -> None:
     model = load_model("tiny-gpt2").model
     ids = torch.zeros(1, 1, dtype=torch.long)
-    with pytest.raises(ValueError, match="past_key_values has 1 layers, the model has 4"):
+    with pytest.raises(LlmcError, match="past_key_values has 1 layers, the model has 4"):
         model(ids, torch.ones(1, 1, dtype=torch.long), ids, _past(model, 1)[:1])
 
 
@@ -76,14 +77,14 @@ def test_past_with_wrong_layer_count() -> None:
 def test_llama_args_validation(changes: dict, message: str) -> None:
     base = dict(vocab_size=10, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=4,
                 num_kv_heads=2, max_position_embeddings=8)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(LlmcError, match=message):
         LlamaArgs(**{**base, **changes})
 
 
 def test_gpt2_args_validation() -> None:
-    with pytest.raises(ValueError, match="hidden_size=10 is not divisible by num_heads=4"):
+    with pytest.raises(LlmcError, match="hidden_size=10 is not divisible by num_heads=4"):
         GPT2Args(vocab_size=10, hidden_size=10, num_layers=1, num_heads=4, max_position_embeddings=8)
-    with pytest.raises(ValueError, match="activation 'relu'"):
+    with pytest.raises(LlmcError, match="activation 'relu'"):
         GPT2Args(vocab_size=10, hidden_size=8, num_layers=1, num_heads=4, max_position_embeddings=8, activation="relu")
 
 

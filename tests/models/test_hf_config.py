@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import transformers
 
+from llmc.errors import LlmcError
 from llmc.models.hf_config import decoder_args
 
 _SHAPE = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -73,5 +74,5 @@ def test_gemma2_extras() -> None:
 ])
 def test_unsupported_settings_are_refused(changes: dict[str, Any], message: str) -> None:
     cfg = {**_SHAPE, "num_hidden_layers": 2, "query_pre_attn_scalar": 64, "sliding_window": 8, **changes}
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(LlmcError, match=message):
         decoder_args(cfg)
