@@ -19,7 +19,7 @@ import onnx
 import llmc
 from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.engine_checks import check_against_source, check_engine_graph, unfused_attention
-from llmc.formats.engine_file import write_engine
+from llmc.formats.engine_file import remove_stale_temporaries, write_engine
 from llmc.formats.onnx_io import is_large, load_onnx, serialize, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
 from llmc.compiler.segments import cut_segments
@@ -128,7 +128,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     output.parent.mkdir(parents=True, exist_ok=True)
     # The payload goes through files beside the engine and is streamed into it: a large
     # model's weights are never all in memory.
-    with tempfile.TemporaryDirectory(prefix=".llmc-", dir=output.parent) as folder:
+    remove_stale_temporaries(output.parent, ".llmc-")
+    with tempfile.TemporaryDirectory(prefix=f".llmc-{os.getpid()}.", dir=output.parent) as folder:
         payload = write_model_files(model, folder)
         if paged_entry is not None:
             paged_entry["segments"], payload = cut_segments(payload)

@@ -16,6 +16,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -66,8 +67,10 @@ def write_engine(path: str | os.PathLike, manifest: dict[str, Any],
     manifest_bytes = json.dumps(manifest, indent=1).encode()
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    remove_stale_temporaries(path.parent, f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the engine from other users
         with os.fdopen(fd, "wb") as out:
             out.write(_HEADER.pack(MAGIC, FORMAT_VERSION, len(manifest_bytes)))
             out.write(manifest_bytes)
@@ -76,10 +79,41 @@ def write_engine(path: str | os.PathLike, manifest: dict[str, Any],
                 out.write(b"\0" * (start + entry["offset"] - out.tell()))
                 for chunk in _chunks(data):
                     out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())  # complete on disk before the name says it is an engine
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def remove_stale_temporaries(folder: Path, prefix: str) -> None:
+    """Delete files or folders named `prefix` + pid + "." … whose process is gone: a killed
+    compile cannot clean up after itself, and its full-size temporaries would pile up."""
+    for entry in folder.glob(f"{prefix}*"):
+        pid = entry.name[len(prefix):].split(".")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        except OSError:
+            pass  # another process removed it first, or it is not ours to remove
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _measure(data: bytes | memoryview | os.PathLike) -> tuple[int, str]:

@@ -97,10 +97,13 @@ def test_killed_compile_leaves_no_engine_or_a_complete_one(tiny_llama_onnx, tmp_
         assert not (folder / ENGINE).exists(), stage
         assert_no_engine_or_a_complete_one(folder, stage)
 
+    assert [p for p in folder.iterdir() if p.name.startswith(f".{ENGINE}.")]  # the killed writers' leftovers
     done = subprocess.run([sys.executable, "-m", "llmc.cli", *compile_args(tiny_llama_onnx, folder)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert_no_engine_or_a_complete_one(folder, "after a clean compile")
+    # The next compile removes what the dead ones left: nothing piles up.
+    assert sorted(p.name for p in folder.iterdir()) == [ENGINE]
 
     # Recompiling over an engine and dying in the writer keeps the old engine, byte for byte.
     before = (folder / ENGINE).read_bytes()

@@ -134,3 +134,23 @@ def test_a_file_section_is_streamed_in_and_its_offset_recorded(tmp_path):
     with open(path, "rb") as f:
         f.seek(loaded.offsets["model.onnx.data"])
         assert f.read(len(payload)) == payload
+
+
+def test_engine_is_readable_as_the_umask_allows_and_stale_temporaries_go(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = tmp_path / f".engine.plan.{dead}.abc123"  # a writer that died mid-write
+    stale.write_bytes(b"partial")
+    ours = tmp_path / f".engine.plan.{os.getpid()}.xyz"  # a live writer's: not touched
+    ours.write_bytes(b"in progress")
+    old = os.umask(0o022)
+    try:
+        write_engine(tmp_path / "engine.plan", MANIFEST, SECTIONS)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "engine.plan").stat().st_mode & 0o777 == 0o644
+    assert not stale.exists() and ours.exists()
