@@ -67,10 +67,14 @@ def load_tokenizer(engine: EngineFile) -> Tokenizer:
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], max_seq_len: int, name: object) -> list[int]:
     """A prompt's token ids, checked to leave room for output; `name` names it in errors."""
     if isinstance(prompt, str):
+        if not prompt:
+            raise LlmcError(f"prompt {name}: empty")
         try:
-            ids = tokenizer.encode(prompt)
-        except UnicodeEncodeError:  # a lone surrogate: bytes that were not UTF-8
-            raise LlmcError(f"prompt {name}: not valid Unicode text (was it UTF-8?)") from None
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:  # a lone surrogate: bytes that were not UTF-8
+            raise LlmcError(f"prompt {name}: not valid text (character {error.start + 1} is not "
+                            "Unicode; was the input UTF-8?)") from None
+        ids = tokenizer.encode(prompt)
     else:
         ids = [int(t) for t in prompt]
         vocab = tokenizer.vocab_size

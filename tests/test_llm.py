@@ -104,3 +104,12 @@ def test_leaving_a_stream_early_frees_its_request(llm):
     stream.close()
     assert not llm.engine.has_unfinished()
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("prompt, message", [("", "prompt 0: empty"),
+                                             ("ab\udcffc", "prompt 0: not valid text \\(character 3")])
+def test_empty_and_non_unicode_prompts_are_refused(llm, prompt, message):
+    from llmc.errors import LlmcError
+
+    with pytest.raises(LlmcError, match=message):
+        llm.generate(prompt)
