@@ -116,6 +116,11 @@ def parse_manifest(data: Any, where: str) -> Manifest:
                         f"format {FORMAT_VERSION}); recompile it with `llmc compile`")
     known = {f.name for f in dataclasses.fields(Manifest)} - {"extra"}
     manifest = _parse(Manifest, {k: v for k, v in data.items() if k in known}, where, "")
+    names = {section.name for section in manifest.sections}
+    payload = ["model.onnx"] if manifest.paged is None else [s.section for s in manifest.paged.segments if s.section]
+    missing = [name for name in ["tokenizer.json", *payload] if name not in names]
+    if missing:
+        raise LlmcError(f"{where}: the manifest names no section '{missing[0]}'")
     return dataclasses.replace(manifest, extra={k: v for k, v in data.items() if k not in known})
 
 

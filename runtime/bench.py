@@ -331,6 +331,6 @@ def prepare(engine_path: str | Path, spec: WorkloadSpec, *, prompts: Sequence[st
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     config = SchedulerConfig(**limits) if limits else None  # None: the engine's own defaults
     engine = Engine(engine_path, config=config, threads=threads)
-    ids = None if prompts is None else [engine.request(p, request_id=f"prompt {i}").prompt_ids
+    ids = None if prompts is None else [engine.request(p, request_id=str(i)).prompt_ids
                                         for i, p in enumerate(prompts)]
     return engine, make_workload(spec, engine.manifest.geometry.vocab_size, ids)

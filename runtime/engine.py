@@ -61,7 +61,14 @@ def load_engine_file(path: str | os.PathLike | EngineFile) -> EngineFile:
 
 
 def load_tokenizer(engine: EngineFile) -> Tokenizer:
-    return Tokenizer.from_json(bytes(engine.sections["tokenizer.json"]).decode())
+    where = f"{engine.path}: section 'tokenizer.json'"
+    if "tokenizer.json" not in engine.sections:
+        raise LlmcError(f"{where} is missing")
+    try:
+        text = bytes(engine.sections["tokenizer.json"]).decode()
+    except UnicodeDecodeError:
+        raise LlmcError(f"{where}: not UTF-8 text") from None
+    return Tokenizer.from_json(text, where)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], max_seq_len: int, name: object) -> list[int]:

@@ -57,6 +57,7 @@ def rewrite_manifest(path, change):
     (lambda m: m.update(paged=[]), r"manifest field 'paged': expected an object"),
     (lambda m: m["sections"][0].pop("sha256"), r"manifest field 'sections\[0\].sha256' is missing"),
     (lambda m: m.update(format_version=1), r"engine format 1 was written by another llmc"),
+    (lambda m: m["sections"][2].update(name="tokenizer.jsox"), r"the manifest names no section 'tokenizer.json'"),
 ])
 def test_a_manifest_of_the_wrong_shape_is_one_error_naming_the_field(engine, change, message):
     rewrite_manifest(engine, change)
@@ -117,7 +118,7 @@ def test_missing_file(tmp_path):
 def test_failed_write_leaves_nothing(tmp_path):
     # An unserializable manifest fails mid-write; no file, temporary or final, may remain.
     with pytest.raises(TypeError):
-        write_engine(tmp_path / "e.plan", {**MANIFEST, "bad": object()}, {"a": b"abc"})
+        write_engine(tmp_path / "e.plan", {**MANIFEST, "bad": object()}, SECTIONS)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -126,7 +127,8 @@ def test_a_file_section_is_streamed_in_and_its_offset_recorded(tmp_path):
     payload = bytes(range(256)) * 5000
     (tmp_path / "weights.data").write_bytes(payload)
     path = tmp_path / "engine.plan"
-    write_engine(path, MANIFEST, {"model.onnx": b"graph", "model.onnx.data": tmp_path / "weights.data"})
+    write_engine(path, MANIFEST, {"model.onnx": b"graph", "model.onnx.data": tmp_path / "weights.data",
+                                  "tokenizer.json": b"{}"})
     loaded = read_engine(path)
     assert bytes(loaded.sections["model.onnx.data"]) == payload
     table = {s.name: s for s in loaded.manifest.sections}
