@@ -215,15 +215,15 @@ def inspect(path, as_json):
     if as_json:
         click.echo(json.dumps(manifest, indent=2))
         return
-    g = manifest.get("geometry", {})
-    lines = [f"engine        {engine} (format {manifest['format_version']}, llmc {manifest.get('llmc_version')})",
-             f"backend       {manifest.get('backend')}   dtype {manifest.get('dtype')}",
-             f"geometry      {g.get('num_layers')} layers, {g.get('num_heads')} heads, "
-             f"{g.get('num_kv_heads')} kv heads, head dim {g.get('head_dim')}, "
-             f"vocab {g.get('vocab_size')}, {g.get('max_positions')} positions",
+    g = manifest["geometry"]  # read_manifest checked every field against the schema
+    lines = [f"engine        {engine} (format {manifest['format_version']}, llmc {manifest['llmc_version']})",
+             f"backend       {manifest['backend']}   dtype {manifest['dtype']}",
+             f"geometry      {g['num_layers']} layers, {g['num_heads']} heads, "
+             f"{g['num_kv_heads']} kv heads, head dim {g['head_dim']}, "
+             f"vocab {g['vocab_size']}, {g['max_positions']} positions",
              f"source        {manifest['source']['file']} ({manifest['source']['nodes']} nodes, "
              f"sha256 {manifest['source']['sha256'][:16]}…)",
-             f"build options {_build_options(manifest.get('build_options', {}))}",
+             f"build options {_build_options(manifest['build_options'])}",
              f"kv cache      {_kv_cache(manifest)}"]
     lines += [f"section       {s['name']}: {s['length']:,} bytes" for s in manifest["sections"]]
     click.echo("\n".join(lines))
@@ -276,12 +276,12 @@ def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p
 
 
 def _kv_cache(manifest: dict) -> str:
-    paged = manifest.get("paged")
+    paged = manifest["paged"]
     if not paged:
-        return f"contiguous past/present ({manifest.get('not_paged', 'not paged')})"
+        return f"contiguous past/present ({manifest['not_paged']})"
     return (f"paged: {paged['num_blocks']} blocks of {paged['block_size']} tokens ({paged['pool_mb']} MiB, "
-            f"{paged.get('kv_dtype', 'float32')}), "
-            f"max batch {paged['max_batch']}, max sequence {paged['max_seq_len']}")
+            f"{paged['kv_dtype']}), max batch {paged['max_batch']}, max sequence {paged['max_seq_len']}, "
+            f"{len(paged['segments'])} segments")
 
 
 def _build_options(options: dict) -> str:
