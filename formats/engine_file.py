@@ -2,12 +2,15 @@
 
 Layout (little-endian)::
 
-    b"LLMCENG\\0" | format version: u32 | manifest length: u64 | manifest (UTF-8 JSON) | sections
+    b"LLMCENG\\0" | format version: u32 | manifest length: u64 | manifest SHA-256: 32 bytes
+    | manifest (UTF-8 JSON) | sections
 
 Each section starts at a 64-byte aligned offset (relative to the end of the manifest) recorded
-in the manifest together with its length and SHA-256, so a truncated or corrupted file is caught
-on load rather than producing wrong tokens. The manifest also records what the engine is: the
-backend, the model geometry, the dtype, a hash of the source graph and the build options.
+in the manifest together with its length and SHA-256, and the header holds the manifest's own
+SHA-256, so a truncated or corrupted file is caught on load rather than producing wrong tokens
+(a flipped digit of an attention scale is still valid JSON of the right type). The manifest also
+records what the engine is: the backend, the model geometry, the dtype, a hash of the source
+graph and the build options.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from llmc.errors import LlmcError
 from llmc.formats.manifest import FORMAT_VERSION, Manifest, parse_manifest
 
 MAGIC = b"LLMCENG\0"
-_HEADER = struct.Struct("<8sIQ")
+HEADER = struct.Struct("<8sIQ32s")
 _ALIGN = 64
 _CHUNK = 1 << 26
 
@@ -72,7 +75,7 @@ def write_engine(path: str | os.PathLike, manifest: dict[str, Any],
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the engine from other users
         with os.fdopen(fd, "wb") as out:
-            out.write(_HEADER.pack(MAGIC, FORMAT_VERSION, len(manifest_bytes)))
+            out.write(HEADER.pack(MAGIC, FORMAT_VERSION, len(manifest_bytes), hashlib.sha256(manifest_bytes).digest()))
             out.write(manifest_bytes)
             start = out.tell()
             for entry, data in zip(table, sections.values()):
@@ -138,7 +141,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """An engine's manifest as JSON (checked against the schema), without loading its sections:
     for tools and people; the runtime reads the typed `EngineFile.manifest`."""
     with open(_existing(path), "rb") as f:
-        manifest, _ = _read_header(Path(path), f.read(_HEADER.size), f)
+        manifest, _ = _read_header(Path(path), f.read(HEADER.size), f)
     return manifest.to_dict()
 
 
@@ -151,7 +154,7 @@ def read_engine(path: str | os.PathLike, *, verify: bool = True) -> EngineFile:
     """
     path = _existing(path)
     with open(path, "rb") as f:
-        manifest, data_start = _read_header(path, f.read(_HEADER.size), f)
+        manifest, data_start = _read_header(path, f.read(HEADER.size), f)
         size = os.fstat(f.fileno()).st_size
         view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
         sections, offsets = {}, {}
@@ -184,9 +187,9 @@ def _file_digest(f, begin: int, length: int) -> str:
 
 
 def _read_header(path: Path, header: bytes, f) -> tuple[Manifest, int]:
-    if len(header) < _HEADER.size or not header.startswith(MAGIC):
+    if len(header) < HEADER.size or not header.startswith(MAGIC):
         raise LlmcError(f"{path}: not an llmc engine file (bad magic bytes)")
-    _, version, manifest_length = _HEADER.unpack(header)
+    _, version, manifest_length, digest = HEADER.unpack(header)
     if version > FORMAT_VERSION:
         raise LlmcError(f"{path}: engine format version {version} is newer than this llmc "
                         f"supports ({FORMAT_VERSION}); rebuild it or upgrade llmc")
@@ -196,11 +199,13 @@ def _read_header(path: Path, header: bytes, f) -> tuple[Manifest, int]:
     raw = f.read(manifest_length)
     if len(raw) < manifest_length:
         raise LlmcError(f"{path}: truncated engine file (manifest incomplete)")
+    if hashlib.sha256(raw).digest() != digest:
+        raise LlmcError(f"{path}: corrupted engine file (checksum mismatch in the manifest)")
     try:
         manifest = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise LlmcError(f"{path}: corrupted engine file (manifest is not valid JSON)") from None
-    return parse_manifest(manifest, str(path)), _HEADER.size + manifest_length
+    return parse_manifest(manifest, str(path)), HEADER.size + manifest_length
 
 
 def _existing(path: str | os.PathLike) -> Path:

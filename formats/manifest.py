@@ -116,12 +116,32 @@ def parse_manifest(data: Any, where: str) -> Manifest:
                         f"format {FORMAT_VERSION}); recompile it with `llmc compile`")
     known = {f.name for f in dataclasses.fields(Manifest)} - {"extra"}
     manifest = _parse(Manifest, {k: v for k, v in data.items() if k in known}, where, "")
+    _check_values(manifest, where)
     names = {section.name for section in manifest.sections}
     payload = ["model.onnx"] if manifest.paged is None else [s.section for s in manifest.paged.segments if s.section]
     missing = [name for name in ["tokenizer.json", *payload] if name not in names]
     if missing:
         raise LlmcError(f"{where}: the manifest names no section '{missing[0]}'")
     return dataclasses.replace(manifest, extra={k: v for k, v in data.items() if k not in known})
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPES = ("float32", "float16")
+
+
+def _check_values(manifest: Manifest, where: str) -> None:
+    """Values the runtime would choke on deep inside NumPy or onnxruntime."""
+    checks = [("dtype", manifest.dtype, manifest.dtype in DTYPES),
+              *((f"geometry.{k}", v, v > 0) for k, v in dataclasses.asdict(manifest.geometry).items())]
+    if manifest.paged is not None:
+        paged = manifest.paged
+        checks += [("paged.kv_dtype", paged.kv_dtype, paged.kv_dtype in KV_DTYPES),
+                   ("paged.block_size", paged.block_size, paged.block_size > 0),
+                   ("paged.num_blocks", paged.num_blocks, paged.num_blocks > 0),
+                   ("paged.max_seq_len", paged.max_seq_len, paged.max_seq_len > 1)]
+    for name, value, good in checks:
+        if not good:
+            raise LlmcError(f"{where}: manifest field '{name}': {value!r} is not a valid value")
 
 
 def _parse(kind: Any, value: Any, where: str, name: str) -> Any:

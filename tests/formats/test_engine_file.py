@@ -1,5 +1,6 @@
 """The engine file format: round trip, the manifest's schema, and every way a file can be bad."""
 
+import hashlib
 import json
 import struct
 
@@ -40,14 +41,25 @@ def test_round_trip_keeps_manifest_and_sections(engine):
 
 
 def rewrite_manifest(path, change):
-    """The engine at `path` with its manifest JSON changed by `change` (header length fixed up)."""
+    """The engine at `path` with its manifest JSON changed by `change` and its checksum made
+    right again: what a buggy writer, not a corrupted disk, would produce."""
     data = path.read_bytes()
-    _, version, length = struct.unpack_from("<8sIQ", data)
-    manifest = json.loads(data[20:20 + length])
+    magic, version, length, _ = engine_file.HEADER.unpack_from(data)
+    start = engine_file.HEADER.size
+    manifest = json.loads(data[start:start + length])
     change(manifest)
     raw = json.dumps(manifest).encode().ljust(length)  # same length: section offsets stay right
     assert len(raw) == length
-    path.write_bytes(data[:20] + raw + data[20 + length:])
+    header = engine_file.HEADER.pack(magic, version, length, hashlib.sha256(raw).digest())
+    path.write_bytes(header + raw + data[start + length:])
+
+
+def test_a_flipped_manifest_byte_fails_its_checksum(engine):
+    data = bytearray(engine.read_bytes())
+    data[engine_file.HEADER.size + 5] ^= 0x01
+    engine.write_bytes(bytes(data))
+    with pytest.raises(LlmcError, match="engine.plan: corrupted engine file \\(checksum mismatch in the manifest\\)"):
+        read_engine(engine)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -58,6 +70,8 @@ def rewrite_manifest(path, change):
     (lambda m: m["sections"][0].pop("sha256"), r"manifest field 'sections\[0\].sha256' is missing"),
     (lambda m: m.update(format_version=1), r"engine format 1 was written by another llmc"),
     (lambda m: m["sections"][2].update(name="tokenizer.jsox"), r"the manifest names no section 'tokenizer.json'"),
+    (lambda m: m.update(dtype="float33"), r"manifest field 'dtype': 'float33' is not a valid value"),
+    (lambda m: m["geometry"].update(head_dim=0), r"manifest field 'geometry.head_dim': 0 is not a valid value"),
 ])
 def test_a_manifest_of_the_wrong_shape_is_one_error_naming_the_field(engine, change, message):
     rewrite_manifest(engine, change)
