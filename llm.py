@@ -109,7 +109,7 @@ class LLM:
 
     def encode(self, prompt: str, index: int = 0) -> list[int]:
         """Tokenize a prompt, checking it fits the model; `index` names it in errors."""
-        return encode_prompt(self.tokenizer, prompt, self.max_seq_len, index)
+        return encode_prompt(self.tokenizer, prompt, self.max_seq_len, self.manifest.geometry.vocab_size, index)
 
     def _outputs(self, ids: list[list[int]], params: list[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
         """(prompt index, output) until every prompt is finished; raises the error a request

@@ -71,8 +71,10 @@ def load_tokenizer(engine: EngineFile) -> Tokenizer:
     return Tokenizer.from_json(text, where)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], max_seq_len: int, name: object) -> list[int]:
-    """A prompt's token ids, checked to leave room for output; `name` names it in errors."""
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], max_seq_len: int, vocab_size: int,
+                  name: object) -> list[int]:
+    """A prompt's token ids (text, or ids below the model's `vocab_size`), checked to leave room for
+    output; `name` names it in errors."""
     if isinstance(prompt, str):
         if not prompt:
             raise LlmcError(f"prompt {name}: empty")
@@ -84,9 +86,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], max_seq_len
         ids = tokenizer.encode(prompt)
     else:
         ids = [int(t) for t in prompt]
-        vocab = tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise LlmcError(f"prompt {name}: a token id is outside the vocabulary of {vocab}")
+        if any(not 0 <= t < vocab_size for t in ids):
+            raise LlmcError(f"prompt {name}: a token id is outside the model's vocabulary of {vocab_size}")
     if not ids:
         raise LlmcError(f"prompt {name}: empty after tokenization")
     if len(ids) >= max_seq_len:
@@ -129,7 +130,7 @@ class Engine:
         Touches no engine state but the id counter, so any thread may call it."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
-        ids = encode_prompt(self.tokenizer, prompt, self.max_seq_len, request_id)
+        ids = encode_prompt(self.tokenizer, prompt, self.max_seq_len, self.manifest.geometry.vocab_size, request_id)
         longest = min(len(ids) + params.max_new_tokens, self.max_seq_len)
         needed = -(-longest // self.blocks.block_size)
         if needed > self.blocks.num_blocks:

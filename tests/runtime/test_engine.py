@@ -105,3 +105,11 @@ def test_float16_pool_batched_equals_alone_and_stays_near_the_float32_pool(tiny_
     ids = LLM(tiny_llama_engine).tokenizer.encode(PROMPTS[3] * 4)
     reference, rounded = LLM(tiny_llama_engine).logits(ids), LLM(tmp_path / "kv16.plan").logits(ids)
     assert 0 < abs(rounded - reference).max() < 1e-2 * reference.std()
+
+
+def test_token_id_prompts_are_checked_against_the_model_vocabulary(tiny_llama_engine):
+    engine = Engine(tiny_llama_engine)
+    vocab = engine.manifest.geometry.vocab_size
+    engine.add_request([vocab - 1, 0], SamplingParams(max_new_tokens=1))
+    with pytest.raises(LlmcError, match=f"prompt r: a token id is outside the model's vocabulary of {vocab}"):
+        engine.add_request([1, vocab], request_id="r")
