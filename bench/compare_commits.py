@@ -35,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for tree in trees.values():
             tree.close()
+        shutil.rmtree(scratch, ignore_errors=True)  # the engines and the ONNX: ~370 MB a run
     print(render(result), file=sys.stderr)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:

@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             if worktree is not None:
                 subprocess.run(["git", "-C", str(THIS_TREE), "worktree", "remove", "--force", str(worktree)],
                                stdout=sys.stderr, stderr=sys.stderr)
+            shutil.rmtree(scratch, ignore_errors=True)  # the engines and the ONNX: ~370 MB a run
     log("micro-benchmark")
     result["micro"] = micro()
     print(render(result), file=sys.stderr)
