@@ -375,16 +375,24 @@ def _read_prompts(path: Path) -> list[str]:
 @click.option("--prompts-file", type=click.Path(dir_okay=False),
               help="Text prompts (lines, or JSONL with 'prompt') instead of random token ids.")
 @click.option("--rate", default=None, type=float, help="Requests/s, Poisson arrivals (default: all at t=0).")
+@click.option("--batch", default=None, type=int,
+              help="Closed loop: at most this many requests in the engine, the next added as one finishes; "
+                   "1 runs them one at a time (single-request latency; adds batch and decode_tok_s).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--max-num-seqs", default=None, type=int, help="Scheduler: sequences per step.")
 @click.option("--max-num-batched-tokens", default=None, type=int, help="Scheduler: tokens per step.")
 @click.option("--threads", default=None, type=int, help="CPU threads (default: every core).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write TTFT/TPOT histograms and throughput over time (PNG).")
-def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_len_max, prompts_file, rate, seed,
-          max_num_seqs, max_num_batched_tokens, threads, as_json, plot):
+def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_len_max, prompts_file, rate, batch,
+          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot):
     """Serve a synthetic workload with ENGINE and report throughput and latency."""
     from llmc.runtime import bench as serving
+
+    if batch is not None and batch < 1:
+        raise LlmcError(f"--batch: must be ≥ 1, got {batch}")
+    if batch is not None and rate is not None:
+        raise LlmcError("--batch and --rate: choose one (--batch adds requests as others finish)")
 
     prompts = _read_prompts(Path(prompts_file)) if prompts_file else None
     for index, prompt in enumerate(prompts or []):
@@ -398,7 +406,7 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
     engine, workload = serving.prepare(_existing(engine_path), spec, prompts=prompts, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, threads=threads)
     with click.progressbar(length=sum(r.output_len for r in workload), label="llmc bench", file=sys.stderr) as bar:
-        result = serving.run_workload(engine, workload, progress=bar.update)
+        result = serving.run_workload(engine, workload, progress=bar.update, concurrency=batch)
     summary = serving.summarize(result)
     click.echo(json.dumps(summary) if as_json else serving.render(summary))
     if plot:

@@ -9,6 +9,11 @@ exact (`ignore_eos=True`), so the output token count is known before the run.
 TTFT is measured from the request's arrival time, not from when the driver got round to adding
 it: a request that arrives while a step runs waits for that step, as it would in a server.
 TPOT is (finish - first token) / (output tokens - 1), per request.
+
+`run_workload(..., concurrency=N)` is a closed loop instead: at most N requests are in the engine
+at once, the next one added (in workload order, arrival times ignored) when one finishes; TTFT
+counts from that moment. N=1 is the single-request view (`llmc bench --batch 1`): each request
+alone in the engine, as a chat user or an agent loop sees it.
 """
 
 from __future__ import annotations
@@ -135,11 +140,13 @@ class BenchResult:
     step_tokens: list[int] = field(default_factory=list)
     duration_s: float = 0.0
     engine_stats: dict = field(default_factory=dict)
+    concurrency: int | None = None  # the closed loop's limit; None for arrival-driven runs
 
 
 def run_workload(engine, workload: Sequence[BenchRequest],
                  progress: Callable[[int], None] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> BenchResult:
+                 clock: Callable[[], float] = time.perf_counter,
+                 concurrency: int | None = None) -> BenchResult:
     """Add each request at its arrival time and step `engine` until all have finished.
 
     A request the engine refuses (LlmcError from add_request) is recorded with its error and
@@ -150,25 +157,43 @@ def run_workload(engine, workload: Sequence[BenchRequest],
         workload: the requests, in any order.
         progress: called after every step with the number of output tokens that step produced.
         clock: seconds, monotonic.
+        concurrency: keep at most this many requests in the engine, adding the next (in workload
+            order, arrival times ignored; its arrival is when it is added) as one finishes;
+            None adds each at its arrival time.
     """
-    order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_s)
+    if concurrency is not None and (not isinstance(concurrency, int) or concurrency < 1):
+        raise LlmcError(f"--batch: must be ≥ 1, got {concurrency}")
+    if concurrency is None:
+        order = sorted(range(len(workload)), key=lambda i: workload[i].arrival_s)
+    else:
+        order = list(range(len(workload)))
     records = [RequestRecord(i, len(r.prompt), r.output_len, r.arrival_s) for i, r in enumerate(workload)]
     pending = deque(order)
     by_id: dict[str, RequestRecord] = {}
-    result = BenchResult(records)
+    in_flight = 0
+    result = BenchResult(records, concurrency=concurrency)
     start = clock()
+
+    def due(now: float) -> bool:
+        if concurrency is not None:
+            return in_flight < concurrency
+        return workload[pending[0]].arrival_s <= now
+
     while pending or engine.has_unfinished():
         now = clock() - start
-        while pending and workload[pending[0]].arrival_s <= now:
+        while pending and due(now):
             index = pending.popleft()
             request = workload[index]
+            if concurrency is not None:
+                records[index].arrival_s = now
             params = SamplingParams(max_new_tokens=request.output_len, ignore_eos=True)
             try:
                 by_id[engine.add_request(request.prompt, params, priority=request.priority)] = records[index]
+                in_flight += 1
             except LlmcError as exc:
                 records[index].error = str(exc).strip().splitlines()[0] if str(exc).strip() else "refused"
         if not engine.has_unfinished():
-            if pending:
+            if pending and concurrency is None:
                 time.sleep(max(0.0, workload[pending[0]].arrival_s - (clock() - start)))
             continue
         outputs = engine.step()
@@ -184,6 +209,7 @@ def run_workload(engine, workload: Sequence[BenchRequest],
             produced += len(output.new_token_ids)
             if output.finished:
                 record.finish_s, record.finish_reason = now, output.finish_reason
+                in_flight -= 1
         result.step_end_s.append(now)
         result.step_tokens.append(produced)
         if progress is not None:
@@ -206,7 +232,8 @@ def _percentiles(values_s: list[float], prefix: str) -> dict[str, float | None]:
 
 
 def summarize(result: BenchResult) -> dict:
-    """The headline numbers: counts, throughput, TTFT/TPOT/latency percentiles (ms), engine stats."""
+    """The headline numbers: counts, throughput, TTFT/TPOT/latency percentiles (ms), engine stats;
+    for a closed-loop run also its batch and the per-request decode rate (decode_tok_s)."""
     done = [r for r in result.records if r.error is None and r.finish_s is not None]
     errors = [r for r in result.records if r.error is not None]
     output_tokens = sum(r.tokens for r in done)
@@ -229,6 +256,13 @@ def summarize(result: BenchResult) -> dict:
         "preemptions": stats.get("preemptions"),
         "steps": len(result.step_end_s),
     }
+    if result.concurrency is not None:
+        # Per-request decode speed: the tokens after each first token over the time they took.
+        decoding = [r for r in done if r.tpot_s is not None]
+        decode_time = sum(r.finish_s - r.first_token_s for r in decoding)
+        summary["batch"] = result.concurrency
+        summary["decode_tok_s"] = (round(sum(r.tokens - 1 for r in decoding) / decode_time, 2)
+                                   if decode_time > 0 else None)
     if errors:
         summary["error_messages"] = sorted({r.error for r in errors})[:5]
     return summary

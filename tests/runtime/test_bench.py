@@ -78,6 +78,8 @@ def test_plot_writes_png(tiny_llama_engine, tmp_path):
     (["--prompt-len", 0], "--prompt-len"),
     (["--output-len", 8, "--output-len-max", 4], "--output-len-max"),
     (["--prompts-file", "no-such-file.txt"], "no-such-file.txt"),
+    (["--batch", 0], "--batch"),
+    (["--batch", 1, "--rate", 5], "--rate"),
 ])
 def test_bad_options_exit_2_with_one_line(tiny_llama_engine, args, message):
     result = llmc("bench", tiny_llama_engine, *args)
@@ -144,3 +146,67 @@ def test_run_workload_records_times_and_errors():
     summary = summarize(result)
     assert summary["requests"] == 2 and summary["errors"] == 1 and summary["output_tokens"] == 5
     assert sum(result.step_tokens) == 5
+
+
+class _CountingEngine:
+    """An Engine that records, at every step, how many of the requests it was given are unfinished."""
+
+    def __init__(self, engine):
+        self.engine, self.unfinished, self.in_step = engine, set(), []
+
+    def add_request(self, prompt, params, priority=0):
+        request_id = self.engine.add_request(prompt, params, priority=priority)
+        self.unfinished.add(request_id)
+        return request_id
+
+    def has_unfinished(self):
+        return self.engine.has_unfinished()
+
+    def step(self):
+        self.in_step.append(len(self.unfinished))
+        outputs = self.engine.step()
+        self.unfinished -= {o.request_id for o in outputs if o.finished}
+        return outputs
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+
+def test_batch_1_runs_each_request_alone(tiny_llama_engine):
+    from llmc.runtime.engine import Engine
+
+    spec = WorkloadSpec(requests=5, prompt_len=4, prompt_len_max=40, output_len=3, output_len_max=9, seed=2)
+    workload = make_workload(spec, vocab_size=258)
+    engine = _CountingEngine(Engine(tiny_llama_engine, threads=2))
+    result = run_workload(engine, workload, concurrency=1)
+    assert engine.in_step and max(engine.in_step) == 1 and not engine.unfinished
+    records = result.records
+    assert [r.tokens for r in records] == [r.output_len for r in workload]
+    # Each request arrives (is added) after the one before it finished.
+    assert all(later.arrival_s >= earlier.finish_s for earlier, later in zip(records, records[1:]))
+    summary = summarize(result)
+    assert summary["requests"] == 5 and summary["errors"] == 0 and summary["unfinished"] == 0
+    assert summary["batch"] == 1 and summary["decode_tok_s"] > 0
+
+
+def test_batch_2_keeps_two_in_flight(tiny_llama_engine):
+    from llmc.runtime.engine import Engine
+
+    workload = make_workload(WorkloadSpec(requests=5, prompt_len=4, output_len=4, seed=1), vocab_size=258)
+    engine = _CountingEngine(Engine(tiny_llama_engine, threads=2))
+    result = run_workload(engine, workload, concurrency=2)
+    assert max(engine.in_step) == 2 and summarize(result)["output_tokens"] == 20
+
+
+def test_cli_batch_1_percentiles(tiny_llama_engine):
+    summary = bench_json(tiny_llama_engine, *MIXED, "--batch", 1)
+    assert KEYS <= summary.keys() and summary["batch"] == 1
+    assert summary["requests"] == 8 and summary["errors"] == 0 and summary["unfinished"] == 0
+    assert summary["output_tokens"] == requested_outputs()
+    for metric in ("ttft_ms", "tpot_ms"):
+        assert 0 <= summary[f"{metric}_p50"] <= summary[f"{metric}_p90"] <= summary[f"{metric}_p99"]
+    assert summary["decode_tok_s"] > 0 and summary["preemptions"] == 0
+    text = llmc("bench", tiny_llama_engine, "--requests", 2, "--prompt-len", 4, "--output-len", 3, "--batch", 1).stdout
+    assert "decode_tok_s" in text and "ttft_ms_p90" in text
+

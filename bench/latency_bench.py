@@ -1,0 +1,418 @@
+"""Single-request latency, start-up and build time: llmc against onnxruntime-genai (issue 14).
+
+The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench's ModelSpec with
+6 layers and 2,304 positions, random seeded weights), or with `--model smollm2`
+SmolLM2-135M-Instruct (tests/smollm2.py). Both systems build from it with their own tools, timed
+as subprocesses: `llmc export` + `llmc compile` (default options: the paged engine) against
+onnxruntime-genai's model builder (fp32, cpu); then `llmc compile --weights int4 --force` against
+the builder's `-p int4`.
+
+Every measurement run is a process of its own, llmc and genai alternating (the first of each pair
+alternating too), so that both see the same machine; each uses 2 threads (`--threads`). A run:
+
+  load + first token  from the top of the child process (its `import llmc` or
+                      `import onnxruntime_genai` included) to the first token of a 16-token prompt
+  RSS after load      VmRSS once the engine (llmc: Engine(), with its warm-up) or og.Model is loaded
+  decode, batch 1     after one unmeasured warm-up request: a 128-token prompt, 128 new tokens;
+                      time to first token from adding the request, decode rate = the tokens after
+                      the first ÷ their time
+  TTFT, long prompt   two 2,048-token prompts, one new token each; the second is reported
+                      (the first, cold, is kept in the JSON)
+  decode, batch 16    16 requests of 128 + 128 at once (llmc: added together to one Engine with
+                      its default scheduler; genai: one generator of batch 16); rate = tokens made
+                      after every request has its first token ÷ the time from then to the last
+  int4 runs           the same load, warm-up and batch-1 decode on the int4 builds
+
+Prompts are fresh random token ids in every request and run (ids ≥ 260, no special tokens; no
+prefix can be cached), EOS ignored (llmc: ignore_eos; genai: min_length = max_length). Rates and
+latencies are medians over `--reps` runs (default 3). The machine's load average is recorded at
+the start and end.
+
+    python bench/latency_bench.py [--model llama-25m|smollm2] [--quick] [--json] [--save-json PATH]
+                                  [--reps 3] [--threads 2] [--work-dir DIR]
+
+Progress and the table go to stderr; stdout gets one JSON object with --json.
+"""
+
+from __future__ import annotations
+
+import time
+
+_T0 = time.perf_counter()  # the top of a child process: "load + first token" counts from here
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+LOW_ID = 260  # random prompt ids start here: past the byte-level tokenizer's and SmolLM2's special ids
+SHORT_PROMPT = 16  # the load + first token prompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Prompt and output lengths of one run: the full measurement or a smoke run."""
+
+    prompt: int
+    new_tokens: int
+    long_prompt: int
+    batch: int
+    reps: int
+
+
+FULL = Sizes(prompt=128, new_tokens=128, long_prompt=2048, batch=16, reps=3)
+QUICK = Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=2)
+
+
+def _spec(quick: bool):
+    from optimize_bench import ModelSpec
+
+    if quick:  # small enough to build in seconds
+        return ModelSpec(hidden_size=128, intermediate_size=352, num_layers=2, num_heads=4, num_kv_heads=2,
+                         max_positions=512)
+    # ~26M parameters; positions for the 2,048-token prompt and room to spare.
+    return ModelSpec(num_layers=6, max_positions=2304)
+
+
+# --- the child: one measurement run in a process of its own -----------------------------------
+
+
+def _rss_mib(field: str = "VmRSS") -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def _prompts(rng, count: int, length: int, vocab: int) -> list[list[int]]:
+    return rng.integers(LOW_ID, vocab, (count, length)).tolist()
+
+
+def _rates(start: float, times: list[list[float]]) -> dict[str, float]:
+    """TTFT of the first request and the decode rate over the window where all have a first token."""
+    first = max(t[0] for t in times)
+    last = max(t[-1] for t in times)
+    after = sum(1 for t in times for x in t if x > first)
+    return {"ttft_ms": round((times[0][0] - start) * 1e3, 2),
+            "decode_tok_s": round(after / (last - first), 2) if last > first else None}
+
+
+class _LlmcRunner:
+    def __init__(self, path: str, threads: int):
+        from llmc.runtime.engine import Engine
+
+        self.engine = Engine(path, threads=threads)
+        self.vocab = self.engine.manifest.geometry.vocab_size
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[float]]]:
+        from llmc.runtime.sampling_params import SamplingParams
+
+        params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        ids = [self.engine.add_request(p, params) for p in prompts]
+        times: dict[str, list[float]] = {i: [] for i in ids}
+        while self.engine.has_unfinished():
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                if output.error is not None:
+                    raise RuntimeError(f"llmc request failed: {output.error}")
+                times[output.request_id] += [now] * len(output.new_token_ids)
+        if any(len(t) != new_tokens for t in times.values()):
+            raise RuntimeError(f"llmc made {[len(t) for t in times.values()]} tokens, asked for {new_tokens}")
+        return start, [times[i] for i in ids]
+
+
+class _GenaiRunner:
+    def __init__(self, path: str, threads: int):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(path)
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+        self.vocab = json.loads((Path(path) / "genai_config.json").read_text())["model"]["vocab_size"]
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[float]]]:
+        import numpy as np
+
+        width = len(prompts[0])
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=width + new_tokens, min_length=width + new_tokens, do_sample=False,
+                                  batch_size=len(prompts))
+        start = time.perf_counter()
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.array(prompts, dtype=np.int32))
+        times = []
+        while not generator.is_done():
+            generator.generate_next_token()
+            times.append(time.perf_counter())
+        if len(times) != new_tokens:
+            raise RuntimeError(f"genai made {len(times)} tokens, asked for {new_tokens}")
+        return start, [times] * len(prompts)
+
+
+def child(job: dict[str, Any]) -> dict[str, Any]:
+    """One measurement run; `job` names the system, the model and what to measure."""
+    # Counted from _T0: the runner's `import llmc` / `import onnxruntime_genai` is part of start-up.
+    runner = (_LlmcRunner if job["system"] == "llmc" else _GenaiRunner)(job["path"], job["threads"])
+    import numpy as np
+
+    out: dict[str, Any] = {"rss_after_load_mib": _rss_mib()}
+    rng = np.random.default_rng(job["seed"])
+    _, times = runner.generate(_prompts(rng, 1, SHORT_PROMPT, runner.vocab), 1)
+    out["load_first_token_s"] = round(times[0][0] - _T0, 3)
+    out["load_s"] = round(time.perf_counter() - _T0, 3)  # informative only
+    runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), 4)  # warm-up, not measured
+    start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
+    out.update(_rates(start, times))
+    if job.get("long_prompt"):
+        cold = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
+        warm = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
+        out["ttft_long_cold_ms"] = _rates(*cold)["ttft_ms"]
+        out["ttft_long_ms"] = _rates(*warm)["ttft_ms"]
+    if job.get("batch"):
+        start, times = runner.generate(_prompts(rng, job["batch"], job["prompt"], runner.vocab), job["new_tokens"])
+        out["batch_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
+    out["peak_rss_mib"] = _rss_mib("VmHWM")
+    return out
+
+
+def spawn(job: dict[str, Any]) -> dict[str, Any]:
+    """Run `child(job)` in a fresh interpreter; OMP_WAIT_POLICY is left for each system to set."""
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    spawned = time.perf_counter()
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)],
+                          env=environment, text=True, stdout=subprocess.PIPE)
+    if done.returncode != 0:
+        raise RuntimeError(f"{job['system']} run exited with {done.returncode} (its error is above)")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["process_s"] = round(time.perf_counter() - spawned, 2)
+    return result
+
+
+# --- building ---------------------------------------------------------------------------------
+
+
+def timed(command: list[str], what: str) -> float:
+    log(f"build: {what}")
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = round(time.perf_counter() - start, 2)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"{what}: exit {done.returncode}: " + " | ".join(tail))
+    log(f"build: {what}: {seconds} s")
+    return seconds
+
+
+def build(checkpoint: Path, out: Path) -> dict[str, Any]:
+    """Both systems' fp32 and int4 builds from `checkpoint`, each step timed as a subprocess."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    llmc = [sys.executable, "-m", "llmc.cli"]
+    onnx = out / "model.onnx"
+    genai = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-e", "cpu",
+             "-c", str(out / "genai-cache")]
+    seconds = {
+        "llmc_export": timed([*llmc, "export", str(checkpoint), "-o", str(onnx)], "llmc export"),
+        "llmc_compile": timed([*llmc, "compile", str(onnx), "-o", str(out / "fp32.plan")], "llmc compile"),
+        "genai_builder": timed([*genai, "-o", str(out / "genai-fp32"), "-p", "fp32"], "genai builder fp32"),
+        "llmc_compile_int4": timed([*llmc, "compile", str(onnx), "-o", str(out / "int4.plan"), "--weights", "int4",
+                                    "--force"], "llmc compile --weights int4 --force"),
+        "genai_builder_int4": timed([*genai, "-o", str(out / "genai-int4"), "-p", "int4"], "genai builder int4"),
+    }
+    shutil.rmtree(out / "genai-cache", ignore_errors=True)
+    paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan"},
+             "genai": {"fp32": out / "genai-fp32", "int4": out / "genai-int4"}}
+    return {"seconds": seconds, "paths": paths}
+
+
+def pool_mib(engine: Path) -> float:
+    from llmc.formats.engine_file import read_engine
+
+    return read_engine(engine).manifest.paged.pool_mb
+
+
+def weight_mib(checkpoint: Path) -> float:
+    return round(sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) / 2**20, 1)
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+_START = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _median(values: list) -> float | None:
+    import numpy as np
+
+    values = [v for v in values if v is not None]
+    return round(float(np.median(values)), 3) if values else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    sys.path.insert(0, str(BENCH_DIR))
+    from optimize_bench import _cpu_name, _git_state, _versions, ensure_checkpoint
+
+    sizes = QUICK if args.quick else FULL
+    reps = args.reps or sizes.reps
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    if args.model == "smollm2":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from smollm2 import smollm2_folder
+
+        checkpoint = smollm2_folder()
+        model: dict[str, Any] = {"name": "SmolLM2-135M-Instruct", "checkpoint": str(checkpoint)}
+    else:
+        spec = _spec(args.quick)
+        checkpoint = work / ("hf-llama-quick" if args.quick else "hf-llama-25m-2k")
+        model = {"name": "llama-25m", **dataclasses.asdict(spec),
+                 "parameters": ensure_checkpoint(checkpoint, spec)}
+    model["weights_mib"] = weight_mib(checkpoint)
+    built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}")
+    model["llmc_pool_mib"] = {p: pool_mib(built["paths"]["llmc"][p]) for p in ("fp32", "int4")}
+
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"fp32": [], "int4": []} for s in ("llmc", "genai")}
+    seed = args.seed
+    for rep in range(reps):
+        for precision in ("fp32", "int4"):
+            order = ("llmc", "genai") if (rep + (precision == "int4")) % 2 == 0 else ("genai", "llmc")
+            for system in order:
+                seed += 1  # fresh prompts in every run
+                job = {"system": system, "path": str(built["paths"][system][precision]), "threads": args.threads,
+                       "seed": seed, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens}
+                if precision == "fp32":
+                    job.update(long_prompt=sizes.long_prompt, batch=sizes.batch)
+                result = spawn(job)
+                runs[system][precision].append(result)
+                log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
+                    f"{k} {v}" for k, v in result.items()))
+
+    def med(system: str, precision: str, key: str) -> float | None:
+        return _median([r.get(key) for r in runs[system][precision]])
+
+    rows = [  # (label, key, precision, higher is better)
+        ("decode, batch 1, fp32 (tok/s)", "decode_tok_s", "fp32", True),
+        ("decode, batch 1, int4 weight-only (tok/s)", "decode_tok_s", "int4", True),
+        (f"decode, static batch of {sizes.batch} (tok/s)", "batch_decode_tok_s", "fp32", True),
+        (f"time to first token, batch 1, {sizes.prompt}-token prompt (ms)", "ttft_ms", "fp32", False),
+        (f"time to first token, batch 1, {sizes.long_prompt}-token prompt (ms)", "ttft_long_ms", "fp32", False),
+        ("load + first token (s)", "load_first_token_s", "fp32", False),
+        ("resident memory after load, fp32 (MiB)", "rss_after_load_mib", "fp32", False),
+    ]
+    table = []
+    for label, key, precision, higher in rows:
+        mine, theirs = med("llmc", precision, key), med("genai", precision, key)
+        ratio = round(mine / theirs, 2) if mine and theirs else None
+        table.append({"measure": label, "key": key, "precision": precision, "llmc": mine, "genai": theirs,
+                      "ratio": ratio, "higher_is_better": higher})
+    s = built["seconds"]
+    for label, mine, theirs in (
+            ("build: llmc export + compile vs genai builder, fp32 (s)", s["llmc_export"] + s["llmc_compile"],
+             s["genai_builder"]),
+            ("build: llmc compile alone vs genai builder, fp32 (s)", s["llmc_compile"], s["genai_builder"]),
+            ("build: llmc compile --weights int4 vs genai builder -p int4 (s)", s["llmc_compile_int4"],
+             s["genai_builder_int4"])):
+        table.append({"measure": label, "key": "build_s", "precision": "fp32", "llmc": round(mine, 2),
+                      "genai": theirs, "ratio": round(mine / theirs, 2), "higher_is_better": False})
+    return {
+        "benchmark": "latency", "quick": args.quick, "threads": args.threads, "reps": reps,
+        "date": started.isoformat(timespec="seconds"),
+        "seconds": round(time.perf_counter() - _START, 1),
+        "command": " ".join(["python", "bench/latency_bench.py", *sys.argv[1:]]),
+        "sizes": dataclasses.asdict(sizes), "model": model, "build_s": built["seconds"],
+        "table": table, "runs": runs,
+        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(),
+                    "loadavg_start": [round(x, 2) for x in load_start],
+                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+        "versions": _versions(), "git": _git_state(),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    model, machine = result["model"], result["machine"]
+    size = (f"{model['parameters'] / 1e6:.1f}M-parameter Llama ({model['num_layers']} layers, hidden "
+            f"{model['hidden_size']}, {model['max_positions']} positions)" if "parameters" in model else model["name"])
+    lines = [f"Latency benchmark — {size}, weights {model['weights_mib']} MiB fp32, llmc pool "
+             f"{model['llmc_pool_mib']['fp32']} MiB (fp32 engine) / {model['llmc_pool_mib']['int4']} MiB (int4); "
+             f"{result['threads']} threads each, medians of {result['reps']} runs per system; "
+             f"{result['sizes']['prompt']}-token prompts, {result['sizes']['new_tokens']} new tokens",
+             f"load avg {machine['loadavg_start'][0]} → {machine['loadavg_end'][0]} ({machine['cpus']} CPUs, "
+             f"{machine['cpu']}); {result['seconds']} s in all"
+             + (" — QUICK run, numbers are a smoke test" if result["quick"] else ""), ""]
+
+    def fmt(value) -> str:
+        if value is None:
+            return "-"
+        return f"{value:,.1f}" if value >= 10 else f"{value:.3g}" if value < 1 else f"{value:.2f}"
+
+    rows = [["measure", "llmc", "genai", "llmc ÷ genai"]]
+    for row in result["table"]:
+        ratio = row["ratio"]
+        note = ""
+        if ratio is not None:
+            better = ratio > 1 if row["higher_is_better"] else ratio < 1
+            note = "" if ratio == 1 else " (better)" if better else " (worse)"
+        rows.append([row["measure"], fmt(row["llmc"]), fmt(row["genai"]),
+                     "-" if ratio is None else f"{ratio:.2f}{note}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(rows[0], widths)) + " |")
+    lines.append("|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|")
+    lines += ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+              + " |" for r in rows[1:]]
+    b = result["build_s"]
+    lines += ["", f"build steps (s): llmc export {b['llmc_export']}, compile {b['llmc_compile']}, compile int4 "
+                  f"{b['llmc_compile_int4']}; genai builder {b['genai_builder']}, int4 {b['genai_builder_int4']}"]
+    peak = {s: _median([r["peak_rss_mib"] for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
+    lines.append(f"peak resident (VmHWM) of an fp32 run (MiB): llmc {peak['llmc']}, genai {peak['genai']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        print(json.dumps(child(json.loads(argv[1]))), flush=True)
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("llama-25m", "smollm2"), default="llama-25m",
+                        help="the benchmark's random-weight Llama (default) or SmolLM2-135M-Instruct")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not a measurement")
+    parser.add_argument("--save-json", metavar="PATH", help="also write the JSON object to PATH")
+    parser.add_argument("--reps", type=int, default=None, help="runs per system and precision (default 3; quick 2)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed of the first run (default 0)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads for each system (default 2)")
+    parser.add_argument("--work-dir", default=str(BENCH_DIR / ".work"),
+                        help="where the checkpoint is cached and models are built (default bench/.work)")
+    args = parser.parse_args(argv)
+    result = run(args)
+    text = json.dumps(result, indent=2, default=str)
+    if args.save_json:
+        Path(args.save_json).write_text(text + "\n")
+    print(render(result), file=sys.stderr)
+    if args.json:
+        print(text)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
