@@ -222,7 +222,7 @@ class Engine:
                 if request.num_computed < len(request.token_ids):
                     continue  # a prefill chunk short of the prompt's end: no token yet
                 token = sample(logits[row], request.params, request.rng, request.prompt_ids, request.output_ids)
-                request.output_ids.append(token)
+                request.add_output(token)
                 outputs.append(self._emit(request, token))
             except Exception as error:  # this request fails alone
                 outputs.append(self._fail(request, error))

@@ -96,10 +96,13 @@ class Request:
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
+        # Prompt then output, grown in place: read several times a step, it must not be rebuilt
+        # (a copy per read made per-token work grow with the output's length).
+        self.token_ids: list[int] = [*self.prompt_ids, *self.output_ids]
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def add_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.token_ids.append(token)
 
     def rank(self) -> tuple:
         return (self.priority, self.arrival)

@@ -58,7 +58,7 @@ def run_step(scheduler, chunks):
         request.num_computed += chunk.count
         scheduler.blocks.mark_computed(request.request_id, request.num_computed)
         if request.num_computed == len(request.token_ids):
-            request.output_ids.append(7)
+            request.add_output(7)
             if len(request.output_ids) == request.params.max_new_tokens:
                 scheduler.finish(request, "length")
                 finished.append(request.request_id)
@@ -102,7 +102,7 @@ def test_decodes_run_before_a_long_prefill_is_done():
     for c in first:
         c.request.num_computed += c.count
         blocks.mark_computed(c.request.request_id, c.request.num_computed)
-    short.output_ids.append(9)
+    short.add_output(9)
     second = scheduler.schedule(now=1.0)
     # The short request decodes first; the long prompt takes the rest as its next chunk.
     assert [(c.request.request_id, c.count) for c in second] == [("short", 1), ("long", 63)]
@@ -234,7 +234,7 @@ def test_deep_in_a_long_prompt_its_chunk_shrinks_while_others_run_and_slivers_wa
     chunks = scheduler.schedule(now=1.0)
     assert [(c.request.request_id, c.count) for c in chunks] == [("short", 120)]
     _advance(scheduler, blocks, chunks)
-    short.output_ids.append(7)  # its first token, sampled
+    short.add_output(7)  # its first token, sampled
     # Beside the short one's decode, the long prompt's chunk is 128 · 512 / 1,024 tokens.
     chunks = scheduler.schedule(now=2.0)
     assert [(c.request.request_id, c.count) for c in chunks] == [("short", 1), ("long", 64)]
