@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from llmc.compiler.compare import compare_outputs, run_onnx, run_onnx_file, seeded_feeds
-from llmc.formats.onnx_io import check_model, infer_shapes, is_large, load_onnx
+from llmc.formats.onnx_io import check_model, infer_value_info, is_large, load_onnx
 from llmc.compiler.pipeline import optimize
 from llmc.errors import LlmcError, first_line
 from llmc.plugins.paged_attention_onnx import register
@@ -91,7 +91,7 @@ def check_engine_graph(model: onnx.ModelProto, output: Path) -> None:
     register()
     try:
         check_model(model)
-        infer_shapes(model, check_type=True, strict_mode=True)
+        infer_value_info(model, check_type=True, strict_mode=True)
     except Exception as exc:  # checker and inference raise several types; all mean a broken graph
         raise LlmcError(f"{output}: the engine's graph is invalid, nothing written "
                         f"(a bug in llmc's lowering or precision passes): {first_line(exc)}") from None

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 import onnx
 
 from llmc.compiler.compare import compare_outputs, run_onnx, seeded_feeds
-from llmc.formats.onnx_io import (check_model, infer_shapes, load_onnx, save_onnx, validate,
+from llmc.formats.onnx_io import (check_model, infer_value_info, load_onnx, save_onnx, validate,
                                    write_text_atomic)
 from llmc.errors import LlmcError, first_line
 from llmc.passes.base import Pass
@@ -156,8 +156,7 @@ def optimize(model: onnx.ModelProto, *, level: str | int | None = None,
 def refresh_shapes(model: onnx.ModelProto) -> None:
     """Recompute value_info so passes see current shapes (stale entries are dropped first)."""
     del model.graph.value_info[:]
-    inferred = infer_shapes(model, data_prop=True)
-    model.graph.value_info.extend(inferred.graph.value_info)
+    model.graph.value_info.extend(infer_value_info(model, data_prop=True))
 
 
 def structural_problem(graph: onnx.GraphProto) -> str | None:
@@ -195,7 +194,7 @@ def _first_problem(graph: onnx.GraphProto, defined: set[str]) -> str | None:
 def _check_valid(model: onnx.ModelProto, pass_name: str) -> None:
     try:
         check_model(model)
-        infer_shapes(model, strict_mode=True)
+        infer_value_info(model, strict_mode=True)
     except Exception as exc:  # checker and inference raise several types
         raise LlmcError(f"pass '{pass_name}' left an invalid graph: "
                         f"{first_line(exc)}") from None

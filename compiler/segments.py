@@ -19,7 +19,7 @@ from onnx import helper
 
 from llmc.errors import LlmcError
 from llmc.formats.manifest import AttentionCall, Segment
-from llmc.formats.onnx_io import infer_shapes
+from llmc.formats.onnx_io import infer_value_info
 from llmc.passes.graph import attr
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE
 from llmc.plugins.paged_attention_onnx import register
@@ -48,8 +48,8 @@ def split_at_paged_attention(model: onnx.ModelProto) -> list[tuple[onnx.ModelPro
     would fall in one segment and need the same cut).
     """
     register()
-    graph = infer_shapes(model).graph
-    types = {v.name: v.type for v in [*graph.input, *graph.value_info, *graph.output]}
+    graph = model.graph
+    types = {v.name: v.type for v in [*graph.input, *infer_value_info(model), *graph.output]}
     weights = {t.name: t for t in graph.initializer}
     stage = dict.fromkeys([*weights, *(i.name for i in graph.input)], 0)
     attentions: dict[int, onnx.NodeProto] = {}
