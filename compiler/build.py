@@ -20,9 +20,9 @@ import llmc
 from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.engine_checks import check_against_source, check_engine_graph, unfused_attention
 from llmc.formats.engine_file import remove_stale_temporaries, write_engine
-from llmc.formats.onnx_io import is_large, load_onnx, serialize, validate, write_model_files
+from llmc.formats.onnx_io import has_external_weights, is_large, load_onnx, serialize, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
-from llmc.compiler.segments import cut_segments
+from llmc.compiler.segments import cut_segments, segment_sections
 from llmc.precision.gate import check_accuracy, general_text_windows
 from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.linears import linear_layers
@@ -130,9 +130,13 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     # model's weights are never all in memory.
     remove_stale_temporaries(output.parent, ".llmc-")
     with tempfile.TemporaryDirectory(prefix=f".llmc-{os.getpid()}.", dir=output.parent) as folder:
-        payload = write_model_files(model, folder)
-        if paged_entry is not None:
-            paged_entry["segments"], payload = cut_segments(payload)
+        if paged_entry is not None and not has_external_weights(model):
+            # Cut in memory: writing the graph to cut it from the file cost a save and a load.
+            paged_entry["segments"], payload = segment_sections(model)
+        else:
+            payload = write_model_files(model, folder)
+            if paged_entry is not None:
+                paged_entry["segments"], payload = cut_segments(payload)
         write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
     if large:
         progress(f"wrote {output.name} ({output.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")

@@ -30,13 +30,20 @@ def cut_segments(payload: dict[str, Path]) -> tuple[list[dict], dict[str, bytes 
     `write_model_files`: "segment.K.onnx" per segment that holds nodes, and the weights'
     "model.onnx.data" (past 2 GB) that every segment references, unchanged."""
     model = onnx.load(str(payload["model.onnx"]), load_external_data=False)
+    entries, sections = segment_sections(model)
+    if "model.onnx.data" in payload:
+        sections["model.onnx.data"] = payload["model.onnx.data"]
+    return entries, sections
+
+
+def segment_sections(model: onnx.ModelProto) -> tuple[list[dict], dict[str, bytes]]:
+    """The manifest's segment entries and "segment.K.onnx" sections of a paged graph held in
+    memory, weights inline (no file round trip: a model without external weights)."""
     entries, sections = [], {}
     for k, (graph, segment) in enumerate(split_at_paged_attention(model)):
         if graph is not None:
             sections[f"segment.{k}.onnx"] = graph.SerializeToString()
         entries.append(asdict(replace(segment, section=graph and f"segment.{k}.onnx")))
-    if "model.onnx.data" in payload:
-        sections["model.onnx.data"] = payload["model.onnx.data"]
     return entries, sections
 
 
