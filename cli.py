@@ -145,7 +145,8 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--block-size", default=None, type=int, help="Tokens per KV block (default 16, by measurement).")
 @click.option("--max-batch", default=64, show_default=True, type=int, help="Sequences per step (seats).")
 @click.option("--max-seq-len", default=None, type=int, help="Longest sequence (default: the model's positions).")
-@click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: 16 full-length sequences).")
+@click.option("--kv-pool-mb", default=None, type=float, help="KV pool size (default: up to 16 full-length sequences, capped at "
+              "load by half the memory available then).")
 @click.option("--kv-cache-dtype", default="auto", show_default=True,
               help="KV pool element type: auto (the model's), fp16 or fp32.")
 @click.option("--fp16", is_flag=True, help="Compute in fp16, with fp32 norms, attention and residual sums.")

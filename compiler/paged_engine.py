@@ -3,6 +3,15 @@
 `llmc compile` builds paged engines by default: the KV cache lives in one pool of fixed-size
 blocks (plugins/paged_attention.py) sized here from --kv-pool-mb, or from --max-batch requests of
 --max-seq-len tokens.
+
+What the manifest records is a ceiling, not an allocation. The machine that runs an engine is
+not the one that built it, so the memory budget is applied at load
+(runtime/backends/paged_onnxruntime.py, `pool_blocks`): a pool sized with --kv-pool-mb is kept as
+asked; the default (room for min(max batch, `POOL_SEQUENCES`) sequences of max_seq_len tokens,
+the most the engine can use well) is capped at half the memory available when the engine
+loads; `Engine(..., kv_pool_mb=...)` overrides both. The runtime maps the pool's pages on first
+write, so a large ceiling costs no start-up time and no resident memory until requests use it
+(SmolLM2-135M's default is 5.76 GB of float32 blocks at 8,192 positions).
 """
 
 from __future__ import annotations

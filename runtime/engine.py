@@ -102,24 +102,24 @@ class Engine:
         engine: the engine file (a path, or one already read).
         config: scheduling limits; defaults from the engine's max batch.
         threads: CPU threads for the backend; None uses every core.
+        kv_pool_mb: KV pool size in MiB; None: the compiled size or the default rule
+            (runtime/backends/paged_onnxruntime.py, `pool_blocks`).
     """
 
     def __init__(self, engine: str | os.PathLike | EngineFile, config: SchedulerConfig | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, kv_pool_mb: float | None = None):
         engine = load_engine_file(engine)
         paged = engine.manifest.paged
         if paged is None:
             raise LlmcError(f"{engine.path}: not a paged engine ({engine.manifest.not_paged}); Engine needs one")
         self.path, self.manifest = engine.path, engine.manifest
         self.tokenizer = load_tokenizer(engine)
-        self.decoder = PagedDecoder(engine, threads)
+        self.decoder = PagedDecoder(engine, threads, kv_pool_mb)
         self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch)
-        self.blocks = BlockManager(paged.num_blocks, paged.block_size, paged.window)
+        self.blocks = BlockManager(self.decoder.num_blocks, paged.block_size, paged.window)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.max_seq_len = paged.max_seq_len
-        self.decoder.warm_up(min(self.config.max_num_batched_tokens,
-                                 self.config.max_prefill_tokens or self.config.max_num_batched_tokens),
-                             self.config.max_num_seqs)
+        self.decoder.warm_up()  # the first calls of each path, not a step of the largest size
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalText] = {}
         self._utilization_sum, self._steps = 0.0, 0

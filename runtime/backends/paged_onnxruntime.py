@@ -7,9 +7,27 @@ onnxruntime session), attention (plugins/paged_attention_cpu.py, reading the poo
 segment, … and carries the values that cross a cut. The step's new keys and values are stored at
 the slots the sequences own afterwards — one vectorized scatter per layer per step, never a copy
 of the pool.
+
+The pool is sized here, at load, not at compile time: an engine file may run on machines with
+more or less memory than the one that built it. The manifest's `num_blocks` is the most the
+engine will ever use (what `llmc compile --kv-pool-mb` asked for, or by default room for
+min(max batch, 16) sequences of max_seq_len tokens); a pool the user did not size (no
+--kv-pool-mb at compile, no `kv_pool_mb` at load) is capped at `MEMORY_FRACTION` of the memory
+available when the engine loads, and never below one sequence of max_seq_len tokens.
+
+The pool is allocated, not filled: its pages are mapped on first write, so start-up and resident
+memory pay only for blocks that requests have used (SmolLM2-135M's default 5.76 GB pool made
+`llmc run` peak at 10 GB when it was zero-filled at load). A step that writes into blocks no
+request used before pays their page faults, once per block for the pool's lifetime (measured on
+SmolLM2-135M's 60 pools, 2 loaded cores: 16 decodes each starting a fresh block, 10-20 ms on top
+of the step; a 2,048-token prompt, 140 ms). The block manager hands out blocks in id order until
+each has been used once, so a pool that stays lightly used stays small.
 """
 
 from __future__ import annotations
+
+import mmap
+import os
 
 import numpy as np
 
@@ -17,8 +35,75 @@ from llmc.errors import LlmcError
 from llmc.formats.engine_file import EngineFile
 from llmc.formats.onnx_io import FileRange
 from llmc.formats.sessions import open_session
+from llmc.runtime.backends.onnxruntime import drop_file_pages, release_model_bytes
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.plugins.paged_attention_cpu import POOL_TYPES, CpuPagedAttention, session_options, store
+from llmc.plugins.paged_attention_cpu import (DENSE_MIN_TOKENS, POOL_TYPES, CpuPagedAttention, session_options,
+                                               store)
+
+# The default pool's share of the memory available at load (weights and sessions already counted
+# out): the rest is left to the process's other arrays, the page cache and other processes.
+MEMORY_FRACTION = 0.5
+
+
+def pool_blocks(paged, geometry, kv_pool_mb: float | None = None, available: int | None = None) -> int:
+    """Blocks in the KV pool.
+
+    Args:
+        paged: the manifest's paged layout (its `num_blocks` is the ceiling).
+        geometry: the model's geometry.
+        kv_pool_mb: the pool asked for at load, in MiB; None keeps the compiled one when
+            `llmc compile --kv-pool-mb` set it, or else sizes the default by `available`.
+        available: bytes of memory available now; None reads it from the system.
+    """
+    block_bytes = (2 * geometry.num_layers * geometry.num_kv_heads * paged.block_size * geometry.head_dim
+                   * np.dtype(paged.kv_dtype).itemsize)
+    per_sequence = -(-paged.max_seq_len // paged.block_size)
+    if kv_pool_mb is not None:
+        if not kv_pool_mb > 0:
+            raise LlmcError(f"kv_pool_mb: must be > 0, got {kv_pool_mb}")
+        blocks = int(kv_pool_mb * 2**20 // block_bytes)
+        if blocks < per_sequence:
+            raise LlmcError(f"kv_pool_mb: {kv_pool_mb} MiB holds {blocks} blocks of {paged.block_size} tokens, "
+                            f"fewer than the {per_sequence} blocks one sequence of {paged.max_seq_len} tokens needs")
+        return blocks
+    if paged.kv_pool_mb is not None:
+        return paged.num_blocks
+    available = available_memory() if available is None else available
+    if available is None:
+        return paged.num_blocks
+    return max(per_sequence, min(paged.num_blocks, int(MEMORY_FRACTION * available // block_bytes)))
+
+
+def allocate_pool(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """A zeroed array whose pages are mapped on first write, in small pages.
+
+    NumPy asks for transparent huge pages on arrays this large (madvise), and where the kernel
+    compacts memory for madvised regions on fault (transparent_hugepage/defrag = madvise, a
+    common default) a first write can stall for milliseconds a page: measured on a loaded 2-core
+    machine, 960 fresh blocks of SmolLM2-135M's pools took 14 s to touch, against 10-20 ms in
+    small pages (and zero-filling its 5.76 GB default pool at load took 110 s)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    if size == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return np.zeros(shape, dtype)
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(mapping, dtype).reshape(shape)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class PagedDecoder:
@@ -27,9 +112,11 @@ class PagedDecoder:
     Args:
         engine: a paged engine file.
         threads: CPU threads; None uses every core.
+        kv_pool_mb: the KV pool's size in MiB; None: the compiled size, or the default rule
+            (see `pool_blocks`).
     """
 
-    def __init__(self, engine: EngineFile, threads: int | None = None):
+    def __init__(self, engine: EngineFile, threads: int | None = None, kv_pool_mb: float | None = None):
         manifest, paged = engine.manifest, engine.manifest.paged
         if paged is None:
             raise LlmcError(f"{engine.path}: not a paged engine ({manifest.not_paged})")
@@ -37,19 +124,27 @@ class PagedDecoder:
         self.block_size, self.max_seq_len = paged.block_size, paged.max_seq_len
         self.segments = paged.segments
         self.windows = tuple(s.attention.window for s in self.segments if s.attention is not None)
+        # First: it loads the attention kernel in a thread while the sessions are built.
+        self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
+                                           paged.block_size, threads, paged.kv_dtype)
         options = session_options(threads)
         # Past 2 GB the segments reference their weights in the engine's data section, unread.
         weights = engine.offsets.get("model.onnx.data")
-        self._sessions = [segment.section and open_session(
-            {"model.onnx": engine.sections[segment.section],
-             **({"model.onnx.data": FileRange(engine.path, weights)} if weights is not None else {})}, options)
-            for segment in self.segments]
-        self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
-                                           paged.block_size, threads, paged.kv_dtype)
-        shape = (paged.num_blocks, geometry.num_kv_heads, paged.block_size, geometry.head_dim)
-        # Filled, not just allocated: np.zeros maps pages lazily, and the kernel zeroing them on
-        # first write cost up to 70 ms in the step that first used fresh blocks.
-        self.pools = {f"{part}_cache.{i}": np.full(shape, 0, paged.kv_dtype)
+        self._sessions = []
+        for segment in self.segments:
+            session = segment.section and open_session(
+                {"model.onnx": engine.sections[segment.section],
+                 **({"model.onnx.data": FileRange(engine.path, weights)} if weights is not None else {})}, options)
+            # Each as soon as it is built: freed together, the segments' bytes would leave the
+            # heap fragmented (measured +400 MB resident for SmolLM2-135M's 30 segments).
+            release_model_bytes(session)
+            self._sessions.append(session)
+        # The sessions hold their weights now: the file's pages that building them read go
+        # from this process's resident set (they stay in the page cache).
+        drop_file_pages(engine)
+        self.num_blocks = pool_blocks(paged, geometry, kv_pool_mb)
+        shape = (self.num_blocks, geometry.num_kv_heads, paged.block_size, geometry.head_dim)
+        self.pools = {f"{part}_cache.{i}": allocate_pool(shape, paged.kv_dtype)
                       for i in range(geometry.num_layers) for part in ("key", "value")}
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
@@ -81,10 +176,13 @@ class PagedDecoder:
             store(pool.view(bits), new.view(bits), blocks, offsets)
         return values["logits"][0]
 
-    def warm_up(self, tokens: int, seqs: int) -> None:
+    def warm_up(self, tokens: int = DENSE_MIN_TOKENS + 1, seqs: int = 2) -> None:
         """Run one throw-away step of `tokens` tokens (one prompt, the rest decodes of `seqs`
-        sequences), so the first real steps don't pay for onnxruntime's first allocations and
-        kernel choices (measured: 95 ms instead of 25 on the serving benchmark's first mixed step).
+        sequences), so the first real steps don't pay for first calls: the attention kernel's
+        threads, the dense form's session, onnxruntime's first allocations. The default, one
+        prompt chunk (dense form) and one decode (kernel), is what start-up pays for: measured on
+        SmolLM2-135M, 0.10 s, while a step of the scheduler's largest size (128 tokens, 63 of them
+        decodes) took 0.5 s at load and saved the first real step of that size about 0.07 s.
         It writes only into pool blocks no request owns yet; nothing reads them before a
         request's own keys and values overwrite them."""
         blocks = len(next(iter(self.pools.values())))

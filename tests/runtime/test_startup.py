@@ -1,0 +1,111 @@
+"""Start-up: loading an engine pays for neither the KV pool's untouched pages nor a copy of the
+weights, the attention kernel comes from Numba's disk cache in a second process, and the default
+pool follows the memory budget (runtime/backends/paged_onnxruntime.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from llmc.compiler.build import compile_model
+from llmc.compiler.paged_engine import PagedOptions
+from llmc.errors import LlmcError
+from llmc.formats.engine_file import read_engine
+from llmc.runtime.backends.paged_onnxruntime import MEMORY_FRACTION, pool_blocks
+from llmc.runtime.engine import Engine
+
+MiB = 2**20
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def block_bytes(manifest) -> int:
+    g, paged = manifest.geometry, manifest.paged
+    return 2 * g.num_layers * g.num_kv_heads * paged.block_size * g.head_dim * 4  # float32 pool
+
+
+@pytest.fixture(scope="module")
+def big_pool_engine(tiny_llama_onnx, tmp_path_factory):
+    path = tmp_path_factory.mktemp("big-pool") / "engine.plan"
+    compile_model(tiny_llama_onnx, path, paged=PagedOptions(kv_pool_mb=2048))
+    return path
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc")
+def test_loading_does_not_make_the_pool_resident(big_pool_engine):
+    before = resident_mib()
+    engine = Engine(big_pool_engine)
+    grown = resident_mib() - before
+    pool_mib = sum(pool.nbytes for pool in engine.decoder.pools.values()) / MiB
+    assert pool_mib > 2000  # the pool the compile asked for, all of it
+    assert grown < 256, f"loading grew resident memory by {grown:.0f} MiB for a {pool_mib:.0f} MiB pool"
+
+
+def test_sessions_keep_no_copy_of_the_serialized_segments(tiny_llama_engine):
+    engine = Engine(tiny_llama_engine)
+    sessions = [s for s in engine.decoder._sessions if s is not None]
+    assert sessions and all(getattr(s, "_model_bytes", None) is None for s in sessions)
+
+
+KERNEL_STATS = """
+import json, sys
+from llmc.plugins.paged_attention_cpu import _attend, store
+from llmc.runtime.engine import Engine
+Engine(sys.argv[1])  # its warm-up step runs the kernel (decodes) and stores into the pool
+print(json.dumps({name: {"hits": sum(kernel.stats.cache_hits.values()),
+                         "misses": sum(kernel.stats.cache_misses.values()),
+                         "overloads": len(kernel.overloads)} for name, kernel in
+                  [("attend", _attend), ("store", store)]}))
+"""
+
+
+def test_a_second_process_loads_the_kernels_from_numbas_cache(tiny_llama_engine):
+    def run():
+        done = subprocess.run([sys.executable, "-c", KERNEL_STATS, str(tiny_llama_engine)], capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    run()  # compiles and caches what is not cached yet
+    second = run()
+    for name in ("attend", "store"):
+        assert second[name]["misses"] == 0, second
+        assert second[name]["hits"] >= 1, second
+    # One overload: the literal block size's, loaded by signature. Calling the dispatcher with a
+    # plain int first would type (and count) a non-literal attempt as well.
+    assert second["attend"]["overloads"] == 1, second
+
+
+def test_the_default_pool_is_capped_by_the_memory_available(tiny_llama_engine):
+    manifest = read_engine(tiny_llama_engine).manifest
+    paged, geometry, size = manifest.paged, manifest.geometry, block_bytes(manifest)
+    assert paged.kv_pool_mb is None  # compiled with the default pool
+    assert pool_blocks(paged, geometry, available=10**15) == paged.num_blocks
+    assert pool_blocks(paged, geometry, available=int(100 * size / MEMORY_FRACTION)) == 100
+    per_sequence = -(-paged.max_seq_len // paged.block_size)
+    assert pool_blocks(paged, geometry, available=0) == per_sequence  # never below one full sequence
+
+
+def test_a_pool_sized_at_compile_time_is_kept_whatever_the_memory(tiny_llama_engine):
+    manifest = read_engine(tiny_llama_engine).manifest
+    asked = dataclasses.replace(manifest.paged, kv_pool_mb=64.0, num_blocks=1000)
+    assert pool_blocks(asked, manifest.geometry, available=0) == 1000
+
+
+def test_a_pool_sized_at_load_overrides_the_engines(tiny_llama_engine):
+    manifest = read_engine(tiny_llama_engine).manifest
+    size = block_bytes(manifest)
+    engine = Engine(tiny_llama_engine, kv_pool_mb=40 * size / MiB)
+    assert engine.blocks.num_blocks == 40
+    assert all(len(pool) == 40 for pool in engine.decoder.pools.values())
+    with pytest.raises(LlmcError, match="fewer than the 32 blocks one sequence of 512 tokens needs"):
+        pool_blocks(manifest.paged, manifest.geometry, kv_pool_mb=31 * size / MiB)
+    with pytest.raises(LlmcError, match="must be > 0"):
+        pool_blocks(manifest.paged, manifest.geometry, kv_pool_mb=0)
