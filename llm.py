@@ -45,14 +45,16 @@ class LLM:
         engine_path: a file written by `llmc compile`.
         threads: CPU threads for the backend; None uses every core.
         config: scheduling limits of a paged engine; default from its max batch.
+        kv_pool_mb: a paged engine's KV pool in MiB; None: the compiled size or the default rule
+            (see `Engine`).
     """
 
     def __init__(self, engine_path: str | os.PathLike, threads: int | None = None,
-                 config: SchedulerConfig | None = None):
+                 config: SchedulerConfig | None = None, kv_pool_mb: float | None = None):
         engine = load_engine_file(engine_path)
         self.path, self.manifest = engine.path, engine.manifest
         if engine.manifest.paged is not None:
-            self.engine: Engine | None = Engine(engine, config, threads)
+            self.engine: Engine | None = Engine(engine, config, threads, kv_pool_mb)
             self.tokenizer, self.max_seq_len = self.engine.tokenizer, self.engine.max_seq_len
             self._contiguous = None
         else:
