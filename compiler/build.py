@@ -77,6 +77,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     g = interface.geometry
     calibration, held_back = calibration_windows(precision, tok, g.vocab_size, g.max_positions)  # bad data fails early
     source_nodes = len(model.graph.node)
+    source_ops = frozenset(n.op_type for n in model.graph.node)
     pool = plan_pool(paged, interface) if paged is not None else None  # bad sizes fail early
     progress(f"optimizing {source_nodes} nodes")
     model, report = optimize(model, level=level, passes=passes, verify=verify,
@@ -99,7 +100,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         elif held_back:
             progress("accuracy not checked: the held-back comparison runs in memory, which models past 2 GB exceed")
     check_against_source(model, onnx_path, exact=precision.is_default, level=level, passes=passes,
-                         progress=progress)
+                         source_ops=source_ops, progress=progress)
     paged_entry, not_paged = None, "not requested"
     unfused = unfused_attention(model, interface.geometry.num_layers, report)
     if unfused:

@@ -29,6 +29,7 @@ _PAST_KEY = re.compile(r"past_key_values\.(\d+)\.key$")
 
 def check_against_source(model: onnx.ModelProto, source: Path, *, exact: bool,
                          level: str | int | None, passes: Iterable[str] | None,
+                         source_ops: frozenset[str] | None = None,
                          progress: Callable[[str], None] = lambda message: None) -> None:
     """Run the optimized `model` and the `source` file on the same seeded inputs.
 
@@ -38,6 +39,7 @@ def check_against_source(model: onnx.ModelProto, source: Path, *, exact: bool,
         exact: compare outputs (no precision option was applied); otherwise only require that the
             graph runs and its outputs are finite.
         level, passes: the pipeline that made `model`, rerun under --verify to name a faulty pass.
+        source_ops: the source graph's op types, when the caller has them (else the file is read).
         progress: called with a short line.
     """
     if is_large(model):
@@ -46,7 +48,9 @@ def check_against_source(model: onnx.ModelProto, source: Path, *, exact: bool,
         return
     progress("checking the optimized graph against the source in onnxruntime")
     # onnxruntime's GroupQueryAttention (genai's graphs) runs a prompt over a past for one sequence only.
-    gqa = any(n.op_type == "GroupQueryAttention" for n in onnx.load(str(source), load_external_data=False).graph.node)
+    if source_ops is None:
+        source_ops = frozenset(n.op_type for n in onnx.load(str(source), load_external_data=False).graph.node)
+    gqa = "GroupQueryAttention" in source_ops
     feeds = seeded_feeds(model, **({"batch": 1} if gqa else {}))
     try:
         got = run_onnx(model, feeds)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 import onnx.version_converter
 
-from llmc.formats.onnx_io import transform_without_weights
+from llmc.formats.onnx_io import apply_without_weights
 from llmc.errors import LlmcError
 from llmc.passes.graph import DEFAULT_DOMAINS
 
@@ -33,12 +33,10 @@ def require_opset(model: onnx.ModelProto, version: int, domain: str = "") -> onn
             model.opset_import.append(onnx.helper.make_opsetid(domain, version))
         return model
     try:
-        converted = transform_without_weights(
-            model, lambda m: onnx.version_converter.convert_version(m, version))
+        apply_without_weights(model, lambda m: onnx.version_converter.convert_version(m, version))
     except Exception as exc:  # the converter raises bare RuntimeErrors naming the op
         raise LlmcError(f"cannot upgrade the graph to opset {version}: "
                         f"{str(exc).strip().splitlines()[0][:200]}") from None
-    model.CopyFrom(converted)
     return model
 
 
