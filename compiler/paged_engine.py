@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import onnx
 
 from llmc.formats.decoder_interface import DecoderInterface
+from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.errors import LlmcError
 from llmc.passes.lower_paged_attention import LowerPagedAttention
 from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
@@ -79,17 +79,11 @@ def plan_pool(options: PagedOptions, interface: DecoderInterface) -> dict:
     if max_seq_len > g.max_positions:
         raise LlmcError(f"--max-seq-len: {max_seq_len} exceeds the model's {g.max_positions} positions")
     kv_dtype = options.kv_dtype or interface.dtype
-    itemsize = np.dtype(kv_dtype).itemsize
-    block_bytes = 2 * g.num_layers * g.num_kv_heads * options.block_size * g.head_dim * itemsize
-    per_sequence = -(-max_seq_len // options.block_size)
+    block_bytes = kv_block_bytes(g, options.block_size, kv_dtype)
     if options.kv_pool_mb is None:
-        num_blocks = min(options.max_batch, POOL_SEQUENCES) * per_sequence
+        num_blocks = min(options.max_batch, POOL_SEQUENCES) * -(-max_seq_len // options.block_size)
     else:
-        num_blocks = int(options.kv_pool_mb * 2**20 // block_bytes)
-        if num_blocks < per_sequence:
-            raise LlmcError(f"--kv-pool-mb: {options.kv_pool_mb} MiB holds {num_blocks} blocks of "
-                            f"{options.block_size} tokens, fewer than the {per_sequence} blocks one sequence "
-                            f"of {max_seq_len} tokens needs")
+        num_blocks = blocks_in(options.kv_pool_mb, g, options.block_size, kv_dtype, max_seq_len, "--kv-pool-mb")
     return {**asdict(options), "kv_dtype": kv_dtype, "max_seq_len": max_seq_len, "num_blocks": num_blocks,
             "pool_mb": round(num_blocks * block_bytes / 2**20, 3), "window": reusable_window(interface.windows)}
 

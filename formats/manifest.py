@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from llmc.errors import LlmcError
 from llmc.formats.decoder_interface import Geometry
 
@@ -123,6 +125,24 @@ def parse_manifest(data: Any, where: str) -> Manifest:
     if missing:
         raise LlmcError(f"{where}: the manifest names no section '{missing[0]}'")
     return dataclasses.replace(manifest, extra={k: v for k, v in data.items() if k not in known})
+
+
+def kv_block_bytes(geometry: Geometry, block_size: int, kv_dtype: str) -> int:
+    """Bytes one pool block takes: keys and values of `block_size` tokens in every layer."""
+    itemsize = np.dtype(kv_dtype).itemsize
+    return 2 * geometry.num_layers * geometry.num_kv_heads * block_size * geometry.head_dim * itemsize
+
+
+def blocks_in(pool_mb: float, geometry: Geometry, block_size: int, kv_dtype: str, max_seq_len: int,
+              option: str) -> int:
+    """Blocks a pool of `pool_mb` MiB holds; raises LlmcError naming `option` when that is fewer
+    than one sequence of max_seq_len tokens needs. Shared by compile (--kv-pool-mb) and load."""
+    blocks = int(pool_mb * 2**20 // kv_block_bytes(geometry, block_size, kv_dtype))
+    per_sequence = -(-max_seq_len // block_size)
+    if blocks < per_sequence:
+        raise LlmcError(f"{option}: {pool_mb} MiB holds {blocks} blocks of {block_size} tokens, fewer than "
+                        f"the {per_sequence} blocks one sequence of {max_seq_len} tokens needs")
+    return blocks
 
 
 DTYPES = ("float32", "float16", "bfloat16")

@@ -33,6 +33,7 @@ import numpy as np
 
 from llmc.errors import LlmcError
 from llmc.formats.engine_file import EngineFile
+from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.formats.onnx_io import FileRange
 from llmc.formats.sessions import open_session
 from llmc.runtime.backends.onnxruntime import drop_file_pages, release_model_bytes
@@ -55,22 +56,17 @@ def pool_blocks(paged, geometry, kv_pool_mb: float | None = None, available: int
             `llmc compile --kv-pool-mb` set it, or else sizes the default by `available`.
         available: bytes of memory available now; None reads it from the system.
     """
-    block_bytes = (2 * geometry.num_layers * geometry.num_kv_heads * paged.block_size * geometry.head_dim
-                   * np.dtype(paged.kv_dtype).itemsize)
-    per_sequence = -(-paged.max_seq_len // paged.block_size)
     if kv_pool_mb is not None:
         if not kv_pool_mb > 0:
             raise LlmcError(f"kv_pool_mb: must be > 0, got {kv_pool_mb}")
-        blocks = int(kv_pool_mb * 2**20 // block_bytes)
-        if blocks < per_sequence:
-            raise LlmcError(f"kv_pool_mb: {kv_pool_mb} MiB holds {blocks} blocks of {paged.block_size} tokens, "
-                            f"fewer than the {per_sequence} blocks one sequence of {paged.max_seq_len} tokens needs")
-        return blocks
+        return blocks_in(kv_pool_mb, geometry, paged.block_size, paged.kv_dtype, paged.max_seq_len, "kv_pool_mb")
     if paged.kv_pool_mb is not None:
         return paged.num_blocks
     available = available_memory() if available is None else available
     if available is None:
         return paged.num_blocks
+    per_sequence = -(-paged.max_seq_len // paged.block_size)
+    block_bytes = kv_block_bytes(geometry, paged.block_size, paged.kv_dtype)
     return max(per_sequence, min(paged.num_blocks, int(MEMORY_FRACTION * available // block_bytes)))
 
 
