@@ -90,6 +90,26 @@ def main(debug):
     """Compile decoder language models into engines and run them."""
 
 
+# Set by `entry` (the `llmc` command, `python -m llmc.cli`): the process is llmc's own, so its
+# sessions may share one spinning thread pool (formats/sessions.py), which onnxruntime makes
+# process-wide. Not when a test or a host program calls `main` in a process of its own.
+_owns_process = False
+
+
+def entry() -> None:
+    """The `llmc` command."""
+    global _owns_process
+    _owns_process = True
+    main()
+
+
+def _share_threads(threads: int | None) -> None:
+    if _owns_process:
+        from llmc.formats.sessions import share_threads
+
+        share_threads(threads)
+
+
 @main.command()
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="ONNX file to write.")
@@ -259,6 +279,7 @@ def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p
         raise LlmcError("--prompt: give at least one prompt (or --prompts-file)")
     for index, prompt in enumerate(prompts):
         _check_prompt_text(prompt, index)
+    _share_threads(None)
     llm = LLM(engine)
     for index, prompt in enumerate(prompts):
         llm.encode(prompt, index)  # reject a bad prompt before generating for any
@@ -404,6 +425,7 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
                                 output_len=output_len, output_len_max=output_len_max, rate=rate, seed=seed)
     if plot:
         serving.require_matplotlib()
+    _share_threads(threads)
     engine, workload = serving.prepare(_existing(engine_path), spec, prompts=prompts, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, threads=threads)
     with click.progressbar(length=sum(r.output_len for r in workload), label="llmc bench", file=sys.stderr) as bar:
@@ -432,6 +454,7 @@ def check(engine_path, reference, data, window, max_tokens, generate, max_ppl_in
     from llmc.llm import LLM
     from llmc.precision.check import ReferenceModel, check as run_check
 
+    _share_threads(threads)
     engine = LLM(_existing(engine_path), threads)
     report = run_check(engine, ReferenceModel(_existing(reference), threads), data, window=window,
                        max_tokens=max_tokens, generate=generate, progress=_progress)
@@ -510,4 +533,4 @@ def sensitivity(onnx_file, int8_calib, data, target, calibrator, tokens, accurac
 
 
 if __name__ == "__main__":
-    main()
+    entry()

@@ -110,8 +110,10 @@ def _rates(start: float, times: list[list[float]]) -> dict[str, float]:
 
 class _LlmcRunner:
     def __init__(self, path: str, threads: int):
+        from llmc.formats.sessions import share_threads
         from llmc.runtime.engine import Engine
 
+        share_threads(threads)  # as `llmc run` does: this process is llmc's own
         self.engine = Engine(path, threads=threads)
         self.vocab = self.engine.manifest.geometry.vocab_size
 

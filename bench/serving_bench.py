@@ -159,8 +159,10 @@ def interference_workloads(scale: Scale, seed: int, special: set[int]) -> tuple[
 
 
 def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seats: int | None = None) -> dict[str, Any]:
+    from llmc.formats.sessions import share_threads
     from llmc.runtime.engine import Engine, SchedulerConfig
 
+    share_threads(threads)  # as `llmc bench` does: the benchmark's process is llmc's own
     config = SchedulerConfig(max_num_seqs=seats) if seats else None  # None: the engine's max batch
     engine = Engine(engine_path, config, threads=threads)
     run_workload(engine, [BenchRequest(workload[0].prompt[:16], 4)])  # warm-up

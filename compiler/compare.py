@@ -17,7 +17,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from llmc.formats.onnx_io import serialize
-from llmc.formats.sessions import open_session
+from llmc.formats.sessions import open_session, session_options
 
 _BATCH, _SEQ, _PAST = 2, 5, 3
 
@@ -126,10 +126,7 @@ def run_onnx_file(path: str | os.PathLike, feeds: dict[str, np.ndarray]) -> dict
 
 
 def _unoptimized() -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return options
+    return session_options(optimize=False, alone=True)
 
 
 def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -26,6 +26,7 @@ import torch
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
 from llmc.formats.decoder_interface import Geometry, geometry_metadata
 from llmc.formats.onnx_io import save_ir_model
+from llmc.formats.sessions import session_options
 from llmc.models import LoadedModel, load_model
 
 # Example sizes for tracing: 0 and 1 would be specialized by torch.export, so use larger ones.
@@ -162,7 +163,7 @@ def check_parity(model: torch.nn.Module, onnx_path: str | os.PathLike, *, batch:
     import onnxruntime as ort
 
     geometry = model_geometry(model)
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(onnx_path), session_options(alone=True), providers=["CPUExecutionProvider"])
     prefill = sample_inputs(geometry, batch, seq, past=0, seed=1)
     diffs_prefill, presents = _compare_step(model, session, prefill)
     decode = sample_inputs(geometry, batch, 1, past=seq, seed=2)

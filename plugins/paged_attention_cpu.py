@@ -46,6 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from llmc.errors import LlmcError
+from llmc.formats.sessions import session_options
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.plugins.paged_attention_onnx import plan_step, standalone_model
 
@@ -58,6 +59,9 @@ QUERY_TILE = 16
 # (one sequence; kernel vs dense): 16 new at 3,000 past 1.9 vs 1.0 ms, 63 at 1,200 2.6 vs 0.8,
 # 16 at 300 0.19 vs 0.13, 4 × 100 with no past 0.78 vs 0.59.
 DENSE_MIN_TOKENS = QUERY_TILE
+# Steps whose kernel reads at most this many (key, kv head) rows run it on the calling thread:
+# starting a parallel region costs more than they save.
+SERIAL_MAX_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class StepLayout:
 
     batch: PagedBatch
     items: np.ndarray                        # the kernel's work: [items, 4] (seq, first, end, kv head)
+    serial: bool                             # too little kernel work for a parallel region
     # By attention window (0: full), per dense sequence: its packed rows and the dense form's
     # plan inputs (a window changes the mask and which blocks are gathered).
     dense: dict[int, list[tuple[slice, dict[str, np.ndarray]]]]
@@ -89,7 +94,7 @@ class CpuPagedAttention:
         if self.kv_dtype not in POOL_TYPES:
             raise LlmcError(f"paged attention (CPU): a {self.kv_dtype} KV pool is not supported (float32, float16)")
         self._dense: dict[tuple[float, float], ort.InferenceSession] = {}  # by scale and softcap
-        self._kernel = None  # _attend's entry point for this block size, once loaded
+        self._kernels = {False: None, True: None}  # _attend's and _attend_serial's entry points, once loaded
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self._loaded: BaseException | None = None
@@ -126,9 +131,10 @@ class CpuPagedAttention:
                                                 np.array([0, counts[s]])), self.block_size, window=window).feeds())
                           for s in dense]
                  for window in set(windows)}
+        kernel_keys = int(np.sum((batch.context_lens + counts)[counts < DENSE_MIN_TOKENS])) * self.num_kv_heads
         return StepLayout(PagedBatch(np.ascontiguousarray(batch.block_tables, np.int64),
                                      np.ascontiguousarray(batch.context_lens, np.int64), starts),
-                          items, plans)
+                          items, kernel_keys <= SERIAL_MAX_KEYS, plans)
 
     def __call__(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cache: np.ndarray,
                  value_cache: np.ndarray, layout: StepLayout, scale: float | None = None,
@@ -145,17 +151,19 @@ class CpuPagedAttention:
             args = (query, key, value, key_cache.view(pool_type), value_cache.view(pool_type), b.block_tables,
                     b.context_lens, b.query_start_loc, layout.items, np.float32(scale), np.int64(window),
                     np.float32(softcap), output, self.block_size)
-            if self._kernel is None:
+            serial = layout.serial
+            if self._kernels[serial] is None:
                 self.wait_until_loaded()
+                kernel = _attend_serial if serial else _attend
                 try:
-                    self._kernel = compiled_entry_point(_attend, args)
+                    self._kernels[serial] = compiled_entry_point(kernel, args)
                 except LookupError:  # arguments of other types than load_kernels's (a read-only array)
-                    _attend(*args)
-                    self._kernel = compiled_entry_point(_attend, args)
+                    kernel(*args)
+                    self._kernels[serial] = compiled_entry_point(kernel, args)
                 else:
-                    self._kernel(*args)
+                    self._kernels[serial](*args)
             else:
-                self._kernel(*args)
+                self._kernels[serial](*args)
         for rows, feeds in layout.dense[window]:
             (output[rows],) = self._dense_session(scale, float(softcap)).run(None, {
                 "query": query[rows], "key": key[rows], "value": value[rows],
@@ -173,18 +181,6 @@ class CpuPagedAttention:
         return self._dense[scale, softcap]
 
 
-def session_options(threads: int | None) -> ort.SessionOptions:
-    """Options for onnxruntime sessions that take turns with the kernel: their threads must not
-    spin between calls while the kernel's work (measured: a 16-sequence decode step took 141 ms
-    with spinning on, 11 ms off)."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
-
-
 def load_kernels(pool_type: type, block_size: int) -> None:
     """Load (or compile, the first time) `_attend` for a literal `block_size` and `store`, for a
     pool seen as `pool_type` (`POOL_TYPES`'s values), with the argument types the runtime passes."""
@@ -193,9 +189,10 @@ def load_kernels(pool_type: type, block_size: int) -> None:
     def array(dtype, ndim):
         return numba.types.Array(dtype, ndim, "C")
 
-    _attend.compile((array(f32, 3), array(f32, 3), array(f32, 3), array(pool, 4), array(pool, 4), array(i64, 2),
-                     array(i64, 1), array(i64, 1), array(i64, 2), f32, i64, f32, array(f32, 3),
-                     numba.types.IntegerLiteral(block_size)))
+    for kernel in (_attend, _attend_serial):
+        kernel.compile((array(f32, 3), array(f32, 3), array(f32, 3), array(pool, 4), array(pool, 4), array(i64, 2),
+                        array(i64, 1), array(i64, 1), array(i64, 2), f32, i64, f32, array(f32, 3),
+                        numba.types.IntegerLiteral(block_size)))
     store.compile((array(pool, 4), array(pool, 3), array(i64, 1), array(i64, 1)))
 
 
@@ -255,142 +252,161 @@ def _attend(query, key, value, key_cache, value_cache, block_tables, context_len
     # A compile-time block size lets LLVM unroll the loops over a block's keys: the P·V update
     # then keeps a row's accumulator in registers for a whole block (measured 1.2-1.6x per call).
     block_size = numba.literally(block_size)
+    for item in numba.prange(items.shape[0]):
+        _attend_item(query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                     items[item], scale, window, softcap, output, block_size)
+
+
+@numba.njit(fastmath=True, cache=True, nogil=True)
+def _attend_serial(query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                   items, scale, window, softcap, output, block_size):  # pragma: no cover — compiled; tested through paged_attention_cpu
+    """`_attend` on the calling thread alone, for steps too small to pay for a parallel region."""
+    block_size = numba.literally(block_size)
+    for item in range(items.shape[0]):
+        _attend_item(query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                     items[item], scale, window, softcap, output, block_size)
+
+
+@numba.njit(fastmath=True, inline="always")
+def _attend_item(query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+                 item, scale, window, softcap, output, block_size):  # pragma: no cover — compiled; tested through paged_attention_cpu
+    """One work item: `item` = (sequence, first token, end token, kv head). Inlined into the
+    callers, where `block_size` is a literal."""
     heads, head_dim = query.shape[1], query.shape[2]
     group = heads // key.shape[1]
-    for item in numba.prange(items.shape[0]):
-        s, first, end, kv_head = items[item, 0], items[item, 1], items[item, 2], items[item, 3]
-        past, start = context_lens[s], query_start_loc[s]
-        full = past // block_size  # whole past blocks; the rest of the past is in block `full`
-        # A window bounds the block loops: blocks wholly before the tile's first token's window
-        # are skipped (never read: the runtime may have freed them), and score column c is key
-        # position base + c. Rows of later tokens mask the few keys their windows drop.
-        skipped = 0
-        if window > 0:
-            skipped = min(max(0, past + first - start - window + 1) // block_size, full)
-        base = skipped * block_size
-        rows = (end - first) * group
-        keys = past + end - start - base  # score columns: keys up to the tile's last token
-        q = np.empty((rows, head_dim), np.float32)
-        for t in range(first, end):
-            for g in range(group):
+    s, first, end, kv_head = item[0], item[1], item[2], item[3]
+    past, start = context_lens[s], query_start_loc[s]
+    full = past // block_size  # whole past blocks; the rest of the past is in block `full`
+    # A window bounds the block loops: blocks wholly before the tile's first token's window
+    # are skipped (never read: the runtime may have freed them), and score column c is key
+    # position base + c. Rows of later tokens mask the few keys their windows drop.
+    skipped = 0
+    if window > 0:
+        skipped = min(max(0, past + first - start - window + 1) // block_size, full)
+    base = skipped * block_size
+    rows = (end - first) * group
+    keys = past + end - start - base  # score columns: keys up to the tile's last token
+    q = np.empty((rows, head_dim), np.float32)
+    for t in range(first, end):
+        for g in range(group):
+            for d in range(head_dim):
+                q[(t - first) * group + g, d] = query[t, kv_head * group + g, d] * scale
+    scores = np.empty((rows, keys), np.float32)
+    # Past keys block by block, straight from the pool; then the step's own new keys.
+    # Memory-bound at decode: each phase prefetches its next block while it works on one
+    # (a block starts a new page, where the hardware prefetcher starts over). Measured 1.25x
+    # per call when a sequence's blocks lie in random order; no loss when they are in order.
+    per_line = 64 // key_cache.itemsize  # pool elements in a 64-byte cache line
+    lines = block_size * head_dim // per_line
+    for b in range(skipped, full):
+        kb = key_cache[block_tables[s, b], kv_head]
+        if (b + 1) * block_size < past:  # the next block holds past keys (the table may end here)
+            ahead = key_cache[block_tables[s, b + 1], kv_head]
+            for line in range(lines):
+                prefetch(ahead, line * per_line)
+        for o in range(block_size):
+            # Rows in pairs: each key row loaded once for both (a decode's two query heads
+            # when two share a kv head); measured 8% faster per call than row by row.
+            for r in range(0, rows - 1, 2):
+                acc0, acc1 = np.float32(0.0), np.float32(0.0)
                 for d in range(head_dim):
-                    q[(t - first) * group + g, d] = query[t, kv_head * group + g, d] * scale
-        scores = np.empty((rows, keys), np.float32)
-        # Past keys block by block, straight from the pool; then the step's own new keys.
-        # Memory-bound at decode: each phase prefetches its next block while it works on one
-        # (a block starts a new page, where the hardware prefetcher starts over). Measured 1.25x
-        # per call when a sequence's blocks lie in random order; no loss when they are in order.
-        per_line = 64 // key_cache.itemsize  # pool elements in a 64-byte cache line
-        lines = block_size * head_dim // per_line
-        for b in range(skipped, full):
-            kb = key_cache[block_tables[s, b], kv_head]
-            if (b + 1) * block_size < past:  # the next block holds past keys (the table may end here)
-                ahead = key_cache[block_tables[s, b + 1], kv_head]
-                for line in range(lines):
-                    prefetch(ahead, line * per_line)
-            for o in range(block_size):
-                # Rows in pairs: each key row loaded once for both (a decode's two query heads
-                # when two share a kv head); measured 8% faster per call than row by row.
-                for r in range(0, rows - 1, 2):
-                    acc0, acc1 = np.float32(0.0), np.float32(0.0)
-                    for d in range(head_dim):
-                        acc0 += q[r, d] * widen(kb[o, d])
-                        acc1 += q[r + 1, d] * widen(kb[o, d])
-                    scores[r, b * block_size + o - base] = acc0
-                    scores[r + 1, b * block_size + o - base] = acc1
-                if rows % 2:
-                    acc = np.float32(0.0)
-                    for d in range(head_dim):
-                        acc += q[rows - 1, d] * widen(kb[o, d])
-                    scores[rows - 1, b * block_size + o - base] = acc
-        if full * block_size < past:
-            kb = key_cache[block_tables[s, full], kv_head]
-            for r in range(rows):
-                for o in range(past - full * block_size):
-                    acc = np.float32(0.0)
-                    for d in range(head_dim):
-                        acc += q[r, d] * widen(kb[o, d])
-                    scores[r, full * block_size + o - base] = acc
-        for i in range(end - start):
-            for r in range(rows):
+                    acc0 += q[r, d] * widen(kb[o, d])
+                    acc1 += q[r + 1, d] * widen(kb[o, d])
+                scores[r, b * block_size + o - base] = acc0
+                scores[r + 1, b * block_size + o - base] = acc1
+            if rows % 2:
                 acc = np.float32(0.0)
                 for d in range(head_dim):
-                    acc += q[r, d] * key[start + i, kv_head, d]
-                scores[r, past + i - base] = acc
-        # Softmax over each row's visible keys (its sequence's past and its new tokens up to
-        # itself, within its window), left unnormalized: the output rows are divided by the sums
-        # at the end.
-        totals = np.empty(rows, np.float32)
-        bits = np.empty(keys, np.int32)
-        powers = bits.view(np.float32)
+                    acc += q[rows - 1, d] * widen(kb[o, d])
+                scores[rows - 1, b * block_size + o - base] = acc
+    if full * block_size < past:
+        kb = key_cache[block_tables[s, full], kv_head]
         for r in range(rows):
-            visible = past + first + r // group - start + 1 - base  # columns up to the row's token
-            lowest = 0  # its first column in the window
-            if window > 0:
-                lowest = max(0, visible - window)
-            for j in range(lowest):
-                scores[r, j] = 0.0
-            if softcap > 0:  # Gemma-2: c·tanh(s / c) on the visible scores, before softmax
-                for j in range(lowest, visible):
-                    scores[r, j] = softcap * np.tanh(scores[r, j] / softcap)
-            top = scores[r, lowest]
-            for j in range(lowest + 1, visible):
-                if scores[r, j] > top:
-                    top = scores[r, j]
-            # exp(x - top) = 2^y for y = (x - top)·log2(e): 2^floor(y) built from its exponent
-            # bits, 2^(y - floor(y)) by a degree-5 polynomial (relative error 2e-7). Unlike
-            # np.exp, this vectorizes.
+            for o in range(past - full * block_size):
+                acc = np.float32(0.0)
+                for d in range(head_dim):
+                    acc += q[r, d] * widen(kb[o, d])
+                scores[r, full * block_size + o - base] = acc
+    for i in range(end - start):
+        for r in range(rows):
+            acc = np.float32(0.0)
+            for d in range(head_dim):
+                acc += q[r, d] * key[start + i, kv_head, d]
+            scores[r, past + i - base] = acc
+    # Softmax over each row's visible keys (its sequence's past and its new tokens up to
+    # itself, within its window), left unnormalized: the output rows are divided by the sums
+    # at the end.
+    totals = np.empty(rows, np.float32)
+    bits = np.empty(keys, np.int32)
+    powers = bits.view(np.float32)
+    for r in range(rows):
+        visible = past + first + r // group - start + 1 - base  # columns up to the row's token
+        lowest = 0  # its first column in the window
+        if window > 0:
+            lowest = max(0, visible - window)
+        for j in range(lowest):
+            scores[r, j] = 0.0
+        if softcap > 0:  # Gemma-2: c·tanh(s / c) on the visible scores, before softmax
             for j in range(lowest, visible):
-                y = max((scores[r, j] - top) * np.float32(1.4426950408889634), np.float32(-126.0))
-                whole = np.floor(y)
-                f = y - whole
-                scores[r, j] = ((((np.float32(0.0018951073) * f + np.float32(0.0089462148)) * f
-                                  + np.float32(0.0558632836)) * f + np.float32(0.2401407659)) * f
-                                + np.float32(0.6931546330)) * f + np.float32(0.9999998808)
-                bits[j] = (np.int32(whole) + 127) << 23
-            total = np.float32(0.0)
-            for j in range(lowest, visible):
-                e = scores[r, j] * powers[j]
-                scores[r, j] = e
-                total += e
-            totals[r] = total
-            for j in range(visible, keys):
-                scores[r, j] = 0.0
-        attended = np.zeros((rows, head_dim), np.float32)
-        if full > skipped:
-            opening = value_cache[block_tables[s, skipped], kv_head]
+                scores[r, j] = softcap * np.tanh(scores[r, j] / softcap)
+        top = scores[r, lowest]
+        for j in range(lowest + 1, visible):
+            if scores[r, j] > top:
+                top = scores[r, j]
+        # exp(x - top) = 2^y for y = (x - top)·log2(e): 2^floor(y) built from its exponent
+        # bits, 2^(y - floor(y)) by a degree-5 polynomial (relative error 2e-7). Unlike
+        # np.exp, this vectorizes.
+        for j in range(lowest, visible):
+            y = max((scores[r, j] - top) * np.float32(1.4426950408889634), np.float32(-126.0))
+            whole = np.floor(y)
+            f = y - whole
+            scores[r, j] = ((((np.float32(0.0018951073) * f + np.float32(0.0089462148)) * f
+                              + np.float32(0.0558632836)) * f + np.float32(0.2401407659)) * f
+                            + np.float32(0.6931546330)) * f + np.float32(0.9999998808)
+            bits[j] = (np.int32(whole) + 127) << 23
+        total = np.float32(0.0)
+        for j in range(lowest, visible):
+            e = scores[r, j] * powers[j]
+            scores[r, j] = e
+            total += e
+        totals[r] = total
+        for j in range(visible, keys):
+            scores[r, j] = 0.0
+    attended = np.zeros((rows, head_dim), np.float32)
+    if full > skipped:
+        opening = value_cache[block_tables[s, skipped], kv_head]
+        for line in range(lines):
+            prefetch(opening, line * per_line)
+    for b in range(skipped, full):
+        vb = value_cache[block_tables[s, b], kv_head]
+        if b + 1 < full:
+            ahead = value_cache[block_tables[s, b + 1], kv_head]
             for line in range(lines):
-                prefetch(opening, line * per_line)
-        for b in range(skipped, full):
-            vb = value_cache[block_tables[s, b], kv_head]
-            if b + 1 < full:
-                ahead = value_cache[block_tables[s, b + 1], kv_head]
-                for line in range(lines):
-                    prefetch(ahead, line * per_line)
-            for r in range(rows):
+                prefetch(ahead, line * per_line)
+        for r in range(rows):
+            for d in range(head_dim):
+                acc = attended[r, d]
+                for o in range(block_size):
+                    acc += scores[r, b * block_size + o - base] * widen(vb[o, d])
+                attended[r, d] = acc
+    if full * block_size < past:
+        vb = value_cache[block_tables[s, full], kv_head]
+        for r in range(rows):
+            for o in range(past - full * block_size):
+                p = scores[r, full * block_size + o - base]
                 for d in range(head_dim):
-                    acc = attended[r, d]
-                    for o in range(block_size):
-                        acc += scores[r, b * block_size + o - base] * widen(vb[o, d])
-                    attended[r, d] = acc
-        if full * block_size < past:
-            vb = value_cache[block_tables[s, full], kv_head]
-            for r in range(rows):
-                for o in range(past - full * block_size):
-                    p = scores[r, full * block_size + o - base]
-                    for d in range(head_dim):
-                        attended[r, d] += p * widen(vb[o, d])
-        for i in range(end - start):
-            for r in range(rows):
-                p = scores[r, past + i - base]
-                for d in range(head_dim):
-                    attended[r, d] += p * value[start + i, kv_head, d]
-        for t in range(first, end):
-            for g in range(group):
-                r = (t - first) * group + g
-                inv = np.float32(1.0) / totals[r]
-                for d in range(head_dim):
-                    output[t, kv_head * group + g, d] = attended[r, d] * inv
+                    attended[r, d] += p * widen(vb[o, d])
+    for i in range(end - start):
+        for r in range(rows):
+            p = scores[r, past + i - base]
+            for d in range(head_dim):
+                attended[r, d] += p * value[start + i, kv_head, d]
+    for t in range(first, end):
+        for g in range(group):
+            r = (t - first) * group + g
+            inv = np.float32(1.0) / totals[r]
+            for d in range(head_dim):
+                output[t, kv_head * group + g, d] = attended[r, d] * inv
 
 
 @numba.njit(cache=True, nogil=True)

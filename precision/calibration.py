@@ -23,6 +23,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from llmc.formats.onnx_io import serialize
+from llmc.formats.sessions import session_options
 from llmc.errors import LlmcError
 
 CALIBRATORS = ("minmax", "percentile", "entropy")
@@ -71,9 +72,7 @@ def observe(model: onnx.ModelProto, windows: list[np.ndarray], names: list[str],
     probe = onnx.ModelProto()
     probe.CopyFrom(model)
     probe.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every name
+    options = session_options(optimize=False, alone=True)  # keep every name
     files = serialize(probe)
     if "model.onnx.data" in files:
         raise LlmcError("--int8-calib: models past 2 GB are not calibrated yet")

@@ -27,6 +27,7 @@ import onnxruntime as ort
 
 from llmc.formats.decoder_interface import recognize_decoder
 from llmc.formats.onnx_io import load_onnx
+from llmc.formats.sessions import session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.data import read_documents, windows
@@ -55,11 +56,7 @@ class ReferenceModel:
     def __init__(self, path: str | os.PathLike, threads: int | None = None):
         model = load_onnx(path, load_weights=False)  # the session reads the weights
         self.interface = recognize_decoder(model, Path(path))
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        if threads:
-            options.intra_op_num_threads = threads
+        options = session_options(threads, optimize=False, alone=True)
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.vocab_size = self.interface.geometry.vocab_size
 

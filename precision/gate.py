@@ -28,6 +28,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from llmc.formats.onnx_io import serialize
+from llmc.formats.sessions import session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import log_softmax, position_metrics
@@ -182,8 +183,6 @@ def _overflow_hint(reference: bytes, window: np.ndarray, half: frozenset[str]) -
 
 
 def _session(model_bytes: bytes, *, optimized: bool) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if not optimized:  # keep every value name, as the reference of `llmc check` does
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    # Unoptimized keeps every value name, as the reference of `llmc check` does.
+    options = session_options(optimize=optimized, alone=True)
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])

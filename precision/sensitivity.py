@@ -27,6 +27,7 @@ import onnx
 import onnxruntime as ort
 
 from llmc.formats.onnx_io import serialize
+from llmc.formats.sessions import session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import kl_divergence, log_softmax
@@ -55,8 +56,7 @@ class _Evaluator:
         self.windows = windows
 
     def log_probs(self, model: onnx.ModelProto) -> list[np.ndarray]:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options = session_options(alone=True)
         session = ort.InferenceSession(serialize(model)["model.onnx"], options, providers=["CPUExecutionProvider"])
         out = []
         for w in self.windows:

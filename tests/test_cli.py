@@ -5,6 +5,7 @@ import json
 import shutil
 import struct
 import subprocess
+import sys
 
 import onnx
 import pytest
@@ -76,6 +77,31 @@ def test_console_script_runs_end_to_end(tiny_llama_onnx, tmp_path):
     done = subprocess.run(["llmc", "run", engine, "--prompt", "hi", "--max-new-tokens", "3", "--json"],
                           capture_output=True, text=True)
     assert done.returncode == 0 and len(json.loads(done.stdout)["token_ids"]) == 3
+    # The command's own process runs on one shared spinning pool (formats/sessions.py); called
+    # here, in pytest's process, `main` keeps per-session pools. Same greedy tokens either way.
+    in_process = llmc("run", engine, "--prompt", "hi", "--max-new-tokens", "3", "--json")
+    assert json.loads(in_process.stdout)["token_ids"] == json.loads(done.stdout)["token_ids"]
+
+
+SHARED_POOL = """
+import onnxruntime as ort
+from llmc.errors import LlmcError
+from llmc.formats.sessions import session_options, share_threads
+assert session_options(2).use_per_session_threads
+share_threads(2)
+share_threads(2)  # the same size again: a no-op
+assert not session_options(2).use_per_session_threads
+try:
+    share_threads(1)
+except LlmcError as error:
+    print(error)
+"""
+
+
+def test_shared_thread_pool_is_set_once():
+    done = subprocess.run([sys.executable, "-c", SHARED_POOL], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "threads: this process already shares a pool of 2 threads, cannot change it to 1"
 
 
 # --- bad input -------------------------------------------------------------------------------

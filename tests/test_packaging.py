@@ -22,7 +22,7 @@ def test_wheel_installs_only_the_llmc_namespace(tmp_path):
                    "llmc/models/decoder.py"):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read("llmc-0.1.0.dist-info/entry_points.txt").decode()
-    assert "llmc = llmc.cli:main" in entry_points
+    assert "llmc = llmc.cli:entry" in entry_points
 
 
 def test_cli_start_up_imports_neither_torch_nor_tensorrt():

@@ -9,7 +9,7 @@ import onnxruntime as ort
 
 from llmc.formats.engine_file import EngineFile
 from llmc.formats.onnx_io import FileRange
-from llmc.formats.sessions import open_session
+from llmc.formats.sessions import open_session, session_options
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -27,10 +27,7 @@ class OnnxRuntimeDecoder:
         self.geometry = manifest.geometry
         self.dtype = _NUMPY_DTYPES[manifest.dtype]
         self.has_position_ids = manifest.has_position_ids
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.log_severity_level = 3
+        options = session_options(threads, alone=True)
         files = {"model.onnx": engine.sections["model.onnx"]}
         if "model.onnx.data" in engine.sections:  # past 2 GB: onnxruntime reads the weights from the engine
             files["model.onnx.data"] = FileRange(engine.path, engine.offsets["model.onnx.data"])

@@ -35,10 +35,10 @@ from llmc.errors import LlmcError
 from llmc.formats.engine_file import EngineFile
 from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.formats.onnx_io import FileRange
-from llmc.formats.sessions import open_session
+from llmc.formats.sessions import open_session, session_options
 from llmc.runtime.backends.onnxruntime import drop_file_pages, release_model_bytes
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.plugins.paged_attention_cpu import (DENSE_MIN_TOKENS, POOL_TYPES, CpuPagedAttention, session_options,
+from llmc.plugins.paged_attention_cpu import (DENSE_MIN_TOKENS, POOL_TYPES, CpuPagedAttention,
                                                store)
 
 # The default pool's share of the memory available at load (weights and sessions already counted

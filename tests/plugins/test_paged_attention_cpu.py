@@ -1,13 +1,15 @@
 """The CPU implementation of paged attention (in-place kernel + dense form) equals the NumPy
 reference, whichever path each sequence takes."""
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_cases import build_case
 
 from llmc.plugins.paged_attention import PagedBatch, paged_attention_reference
-from llmc.plugins.paged_attention_cpu import DENSE_MIN_TOKENS, QUERY_TILE, CpuPagedAttention
+from llmc.plugins.paged_attention_cpu import DENSE_MIN_TOKENS, QUERY_TILE, SERIAL_MAX_KEYS, CpuPagedAttention
 
 OPS = {}
 
@@ -27,8 +29,8 @@ def op(heads, kv_heads, head_dim, block_size, kv_dtype="float32"):
        ratio=st.sampled_from([1, 2, 4]), block_size=st.sampled_from([1, 4, 16, 256]),
        head_dim=st.sampled_from([64, 128]), scale=st.sampled_from([None, 0.05]),
        kv_dtype=st.sampled_from(["float32", "float16"]), window=st.sampled_from([0, 0, 1, 5, 16, 40]),
-       softcap=st.sampled_from([0.0, 0.0, 0.5, 50.0]))
-def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale, kv_dtype, window, softcap):
+       softcap=st.sampled_from([0.0, 0.0, 0.5, 50.0]), serial=st.booleans())
+def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale, kv_dtype, window, softcap, serial):
     rng = np.random.default_rng(seed)
     heads = 2 * ratio
     inputs, _ = build_case(rng, [p for p, _ in lens], [n for _, n in lens], heads, 2, head_dim, block_size,
@@ -37,7 +39,8 @@ def test_cpu_op_equals_reference(seed, lens, ratio, block_size, head_dim, scale,
     # new ones the same way: the reference gets the rounded values, widened back to float32.
     inputs = (inputs[0], *(a.astype(kv_dtype) for a in inputs[1:5]), *inputs[5:])
     attention = op(heads, 2, head_dim, block_size, kv_dtype)
-    layout = attention.layout(PagedBatch(*inputs[5:]), windows=(0, window))
+    # Either kernel, whatever the step's size would pick: the serial one and the parallel one.
+    layout = dataclasses.replace(attention.layout(PagedBatch(*inputs[5:]), windows=(0, window)), serial=serial)
     got = attention(*inputs[:5], layout, scale, window, softcap)
     widened = (inputs[0], *(a.astype(np.float32) for a in inputs[1:5]), *inputs[5:])
     want = paged_attention_reference(*widened, scale=scale, window=window, softcap=softcap)
@@ -55,6 +58,18 @@ def test_layout_sends_decodes_to_the_kernel_and_chunks_to_the_dense_form():
     [(rows, feeds)] = layout.dense[0]
     assert (rows.start, rows.stop) == (16, 16 + DENSE_MIN_TOKENS)
     assert feeds["paged_block_ids"].tolist() == []  # sequence 2 has no past yet
+
+
+def test_layout_runs_small_kernel_steps_on_one_thread():
+    def layout(context_lens):
+        batch = len(context_lens)
+        return CpuPagedAttention(4, 2, 64, 16).layout(
+            PagedBatch(np.zeros((batch, 1), np.int64), np.array(context_lens), np.arange(batch + 1)))
+
+    # Keys the kernel reads, counted per kv head (2 here), with each decode's own new key.
+    assert layout([SERIAL_MAX_KEYS // 2 - 1]).serial
+    assert not layout([SERIAL_MAX_KEYS // 2]).serial
+    assert not layout([SERIAL_MAX_KEYS // 4] * 2).serial
 
 
 def test_dense_form_gathers_only_the_blocks_a_window_sees():
