@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from llmc.errors import LlmcError
+from llmc.formats.engine_file import verifying
 from llmc.runtime.backends.onnxruntime import OnnxRuntimeDecoder
 from llmc.runtime.contiguous_generation import generate_tokens
 from llmc.runtime.detokenizer import IncrementalText
@@ -51,17 +52,18 @@ class LLM:
 
     def __init__(self, engine_path: str | os.PathLike, threads: int | None = None,
                  config: SchedulerConfig | None = None, kv_pool_mb: float | None = None):
-        engine = load_engine_file(engine_path)
+        engine = load_engine_file(engine_path, verify=False)
         self.path, self.manifest = engine.path, engine.manifest
-        if engine.manifest.paged is not None:
-            self.engine: Engine | None = Engine(engine, config, threads, kv_pool_mb)
-            self.tokenizer, self.max_seq_len = self.engine.tokenizer, self.engine.max_seq_len
-            self._contiguous = None
-        else:
-            self.engine = None
-            self.tokenizer = load_tokenizer(engine)
-            self._contiguous = OnnxRuntimeDecoder(engine, threads)
-            self.max_seq_len = self.manifest.geometry.max_positions
+        with verifying(engine):  # checksums in a thread while the sessions are built
+            if engine.manifest.paged is not None:
+                self.engine: Engine | None = Engine(engine, config, threads, kv_pool_mb)
+                self.tokenizer, self.max_seq_len = self.engine.tokenizer, self.engine.max_seq_len
+                self._contiguous = None
+            else:
+                self.engine = None
+                self.tokenizer = load_tokenizer(engine)
+                self._contiguous = OnnxRuntimeDecoder(engine, threads)
+                self.max_seq_len = self.manifest.geometry.max_positions
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """[tokens, vocab] logits at every position of one sequence, computed from scratch

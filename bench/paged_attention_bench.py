@@ -23,9 +23,9 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from llmc.plugins.paged_attention import PagedBatch
+from llmc.plugins.paged_attention import PagedBatch, plan_step
 from llmc.plugins.paged_attention_cpu import CpuPagedAttention
-from llmc.plugins.paged_attention_onnx import plan_step, standalone_model
+from llmc.plugins.paged_attention_onnx import standalone_model
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 4, 64
 BLOCK_SIZES = (16, 32, 64, 256)

@@ -22,7 +22,7 @@ from llmc.compiler.engine_checks import check_against_source, check_engine_graph
 from llmc.formats.engine_file import remove_stale_temporaries, write_engine
 from llmc.formats.onnx_io import has_external_weights, is_large, load_onnx, serialize, validate, write_model_files
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
-from llmc.compiler.segments import cut_segments, segment_sections
+from llmc.compiler.segments import cut_segments, dense_attention_sections, segment_sections
 from llmc.precision.gate import check_accuracy, general_text_windows
 from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.linears import linear_layers
@@ -138,6 +138,9 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
             payload = write_model_files(model, folder)
             if paged_entry is not None:
                 paged_entry["segments"], payload = cut_segments(payload)
+        if paged_entry is not None:
+            payload.update(dense_attention_sections(paged_entry["segments"], interface.geometry,
+                                                    paged_entry["block_size"], paged_entry["kv_dtype"]))
         write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
     if large:
         progress(f"wrote {output.name} ({output.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")

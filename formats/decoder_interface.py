@@ -25,23 +25,12 @@ from typing import Sequence
 import onnx
 
 from llmc.errors import LlmcError
+from llmc.formats.manifest import Geometry
 
 _PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 _PRESENT = re.compile(r"present\.(\d+)\.(key|value)$")
 _DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
            onnx.TensorProto.BFLOAT16: "bfloat16"}
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """The shape of a decoder: what the runtime needs to size caches and validate requests."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_positions: int
 
 
 @dataclass(frozen=True)

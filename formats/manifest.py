@@ -23,9 +23,20 @@ from typing import Any
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.formats.decoder_interface import Geometry
 
 FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of a decoder: what the runtime needs to size caches and validate requests."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,10 @@ class AttentionCall:
     scale: float
     window: int  # sliding window, 0 for full attention
     softcap: float  # score soft-capping, 0.0 for none
+    # The section holding this call's dense form (plugins/paged_attention_onnx.py), which the CPU
+    # runtime runs for prefill chunks; None in engines compiled before llmc stored it (the
+    # runtime then builds it, importing onnx).
+    dense: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,8 @@ def parse_manifest(data: Any, where: str) -> Manifest:
     manifest = _parse(Manifest, {k: v for k, v in data.items() if k in known}, where, "")
     _check_values(manifest, where)
     names = {section.name for section in manifest.sections}
-    payload = ["model.onnx"] if manifest.paged is None else [s.section for s in manifest.paged.segments if s.section]
+    payload = ["model.onnx"] if manifest.paged is None else [
+        name for s in manifest.paged.segments for name in (s.section, s.attention and s.attention.dense) if name]
     missing = [name for name in ["tokenizer.json", *payload] if name not in names]
     if missing:
         raise LlmcError(f"{where}: the manifest names no section '{missing[0]}'")

@@ -21,7 +21,6 @@ import mmap
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +29,7 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
 from llmc.errors import LlmcError, first_line
+from llmc.formats.engine_file import FileRange
 
 # Protobuf cannot serialize a message of 2 GiB or more; stay clear of it with headroom for the graph.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -40,15 +40,6 @@ EXTERNAL_MIN_BYTES = 1024
 _ALIGN = 4096
 _CHUNK = 1 << 26
 _TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
-
-
-@dataclass(frozen=True)
-class FileRange:
-    """External data that stays on disk: `path` from byte `offset` on (a model's data file, or
-    an engine's data section). onnxruntime reads it itself, holding the weights once."""
-
-    path: Path
-    offset: int = 0
 
 
 def load_onnx(path: str | os.PathLike, *, load_weights: bool = True) -> onnx.ModelProto:

@@ -79,6 +79,56 @@ def first_visible_block(past: int, window: int, block_size: int) -> int:
     return max(0, past - window + 1) // block_size if window else 0
 
 
+# Runtime-computed inputs of the dense form.
+PLAN_INPUTS = ("paged_block_ids", "paged_mask")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The step's block list and mask, the dense form's runtime inputs (see
+    plugins/paged_attention_onnx.py)."""
+
+    block_ids: np.ndarray  # int64 [used blocks]: every sequence's blocks, sequence after sequence
+    mask: np.ndarray       # float [1, 1, tokens, used blocks · block + tokens]: 0 or lowest
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return dict(zip(PLAN_INPUTS, (self.block_ids, self.mask)))
+
+
+def plan_step(batch: PagedBatch, block_size: int, dtype=np.float32, window: int = 0) -> StepPlan:
+    """Derive the dense form's block list and mask (plugins/paged_attention_onnx.py) from the
+    op's metadata inputs.
+
+    Args:
+        batch: block tables, past lengths and packed offsets of the step.
+        block_size: tokens per pool block.
+        dtype: the attention dtype (the mask's fill is its lowest finite value).
+        window: the attention window (0: full); only blocks some new token sees are gathered.
+    """
+    starts = batch.query_start_loc.astype(np.int64)
+    tokens = int(starts[-1])
+    lens = batch.context_lens.astype(np.int64)
+    used = -(-lens // block_size)
+    skipped = [first_visible_block(int(lens[s]), window, block_size) for s in range(batch.num_seqs)]
+    block_ids = np.concatenate([batch.block_tables[s, skipped[s]:used[s]] for s in range(batch.num_seqs)]
+                               + [np.zeros(0, np.int64)]).astype(np.int64)
+    past_width = len(block_ids) * block_size
+    visible = np.zeros((tokens, past_width + tokens), bool)
+    past_offset = 0
+    for s in range(batch.num_seqs):
+        rows = slice(starts[s], starts[s + 1])
+        past, new, base = int(lens[s]), int(starts[s + 1] - starts[s]), skipped[s] * block_size
+        # distance[i, j]: new token i (position past + i) to key position j (cached base…past-1, then new)
+        positions = np.concatenate([np.arange(base, past), past + np.arange(new)])
+        distance = (past + np.arange(new))[:, None] - positions[None, :]
+        seen = (distance >= 0) & ((distance < window) if window else True)
+        visible[rows, past_offset:past_offset + past - base] = seen[:, :past - base]
+        visible[rows, past_width + starts[s]:past_width + starts[s + 1]] = seen[:, past - base:]
+        past_offset += (int(used[s]) - skipped[s]) * block_size
+    mask = np.where(visible, 0, np.finfo(dtype).min).astype(dtype)[None, None]
+    return StepPlan(block_ids, mask)
+
+
 def check_inputs(query: np.ndarray, key: np.ndarray, value: np.ndarray, key_cache: np.ndarray,
                  value_cache: np.ndarray, batch: PagedBatch, window: int = 0) -> None:
     """Raise LlmcError naming the input at fault; never let a bad table read the wrong memory.

@@ -41,14 +41,12 @@ import numba
 import numpy as np
 import onnxruntime as ort
 from llvmlite import ir
-from onnx import helper
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from llmc.errors import LlmcError
 from llmc.formats.sessions import session_options
-from llmc.plugins.paged_attention import PagedBatch
-from llmc.plugins.paged_attention_onnx import plan_step, standalone_model
+from llmc.plugins.paged_attention import PagedBatch, plan_step
 
 # Pool element types the kernel reads, and the NumPy type it sees each as (Numba has no float16).
 POOL_TYPES = {np.dtype(np.float32): np.float32, np.dtype(np.float16): np.uint16}
@@ -84,16 +82,20 @@ class CpuPagedAttention:
         num_heads, num_kv_heads, head_dim, block_size: the op's geometry.
         threads: threads for both paths; None uses every core.
         kv_dtype: the pool's element type, "float32" or "float16".
+        dense_models: the dense form's serialized model by (scale, softcap), as an engine stores
+            them; one not given is built when first needed.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 threads: int | None = None, kv_dtype: str = "float32"):
+                 threads: int | None = None, kv_dtype: str = "float32",
+                 dense_models: dict[tuple[float, float], bytes] | None = None):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.block_size, self.threads = block_size, threads
         self.kv_dtype = np.dtype(kv_dtype)
         if self.kv_dtype not in POOL_TYPES:
             raise LlmcError(f"paged attention (CPU): a {self.kv_dtype} KV pool is not supported (float32, float16)")
         self._dense: dict[tuple[float, float], ort.InferenceSession] = {}  # by scale and softcap
+        self._dense_models = dense_models or {}
         self._kernels = {False: None, True: None}  # _attend's and _attend_serial's entry points, once loaded
         if threads:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -172,11 +174,17 @@ class CpuPagedAttention:
 
     def _dense_session(self, scale: float, softcap: float) -> ort.InferenceSession:
         if (scale, softcap) not in self._dense:
-            options = session_options(self.threads)
-            model = standalone_model(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                     head_dim=self.head_dim, block_size=self.block_size, scale=scale,
-                                     cache_dtype=helper.np_dtype_to_tensor_dtype(self.kv_dtype), softcap=softcap)
-            self._dense[scale, softcap] = ort.InferenceSession(model.SerializeToString(), options,
+            model = self._dense_models.get((scale, softcap))
+            if model is None:  # not stored in the engine: built here, which imports onnx
+                from onnx import helper
+
+                from llmc.plugins.paged_attention_onnx import standalone_model
+
+                model = standalone_model(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                         head_dim=self.head_dim, block_size=self.block_size, scale=scale,
+                                         cache_dtype=helper.np_dtype_to_tensor_dtype(self.kv_dtype),
+                                         softcap=softcap).SerializeToString()
+            self._dense[scale, softcap] = ort.InferenceSession(bytes(model), session_options(self.threads),
                                                                providers=["CPUExecutionProvider"])
         return self._dense[scale, softcap]
 

@@ -20,16 +20,13 @@ many new tokens (prefill chunks) and keeps decode tokens for itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
 from onnx import defs
 from onnx.defs import OpSchema
 
-from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PagedBatch, first_visible_block
+from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PLAN_INPUTS
 
 # The step's layout, shared by every layer's node (graph inputs of a paged engine).
 METADATA_INPUTS = [helper.make_tensor_value_info("block_tables", TensorProto.INT64, ["seqs", "max_blocks"]),
@@ -78,54 +75,6 @@ def _like_query(ctx) -> None:
     out = onnx.TypeProto()
     out.CopyFrom(ctx.get_input_type(0))
     ctx.set_output_type(0, out)
-
-
-# Runtime-computed inputs of the dense form.
-PLAN_INPUTS = ("paged_block_ids", "paged_mask")
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The step's block list and mask (see the module docstring)."""
-
-    block_ids: np.ndarray  # int64 [used blocks]: every sequence's blocks, sequence after sequence
-    mask: np.ndarray       # float [1, 1, tokens, used blocks · block + tokens]: 0 or lowest
-
-    def feeds(self) -> dict[str, np.ndarray]:
-        return dict(zip(PLAN_INPUTS, (self.block_ids, self.mask)))
-
-
-def plan_step(batch: PagedBatch, block_size: int, dtype=np.float32, window: int = 0) -> StepPlan:
-    """Derive the lowering's block list and mask from the op's metadata inputs.
-
-    Args:
-        batch: block tables, past lengths and packed offsets of the step.
-        block_size: tokens per pool block.
-        dtype: the attention dtype (the mask's fill is its lowest finite value).
-        window: the attention window (0: full); only blocks some new token sees are gathered.
-    """
-    starts = batch.query_start_loc.astype(np.int64)
-    tokens = int(starts[-1])
-    lens = batch.context_lens.astype(np.int64)
-    used = -(-lens // block_size)
-    skipped = [first_visible_block(int(lens[s]), window, block_size) for s in range(batch.num_seqs)]
-    block_ids = np.concatenate([batch.block_tables[s, skipped[s]:used[s]] for s in range(batch.num_seqs)]
-                               + [np.zeros(0, np.int64)]).astype(np.int64)
-    past_width = len(block_ids) * block_size
-    visible = np.zeros((tokens, past_width + tokens), bool)
-    past_offset = 0
-    for s in range(batch.num_seqs):
-        rows = slice(starts[s], starts[s + 1])
-        past, new, base = int(lens[s]), int(starts[s + 1] - starts[s]), skipped[s] * block_size
-        # distance[i, j]: new token i (position past + i) to key position j (cached base…past-1, then new)
-        positions = np.concatenate([np.arange(base, past), past + np.arange(new)])
-        distance = (past + np.arange(new))[:, None] - positions[None, :]
-        seen = (distance >= 0) & ((distance < window) if window else True)
-        visible[rows, past_offset:past_offset + past - base] = seen[:, :past - base]
-        visible[rows, past_width + starts[s]:past_width + starts[s + 1]] = seen[:, past - base:]
-        past_offset += (int(used[s]) - skipped[s]) * block_size
-    mask = np.where(visible, 0, np.finfo(dtype).min).astype(dtype)[None, None]
-    return StepPlan(block_ids, mask)
 
 
 def plan_inputs(dtype: int = TensorProto.FLOAT) -> list[onnx.ValueInfoProto]:

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.formats.engine_file import EngineFile, read_engine
+from llmc.formats.engine_file import EngineFile, read_engine, verifying
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
 from llmc.runtime.contiguous_generation import finish_reason
@@ -51,9 +51,10 @@ class RequestOutput:
     error: BaseException | None = None  # why the request failed, with finish_reason "error"
 
 
-def load_engine_file(path: str | os.PathLike | EngineFile) -> EngineFile:
-    """Read an engine file this build can run (the onnxruntime backend)."""
-    engine = path if isinstance(path, EngineFile) else read_engine(path)
+def load_engine_file(path: str | os.PathLike | EngineFile, verify: bool = True) -> EngineFile:
+    """Read an engine file this build can run (the onnxruntime backend); `verify=False` leaves
+    the sections' checksums to the caller (formats/engine_file.py, `verifying`)."""
+    engine = path if isinstance(path, EngineFile) else read_engine(path, verify=verify)
     if engine.manifest.backend != "onnxruntime":
         raise LlmcError(f"{engine.path}: backend '{engine.manifest.backend}' cannot run here; this "
                         "build of llmc runs onnxruntime engines")
@@ -99,7 +100,8 @@ class Engine:
     """Continuous batching over a paged engine file.
 
     Args:
-        engine: the engine file (a path, or one already read).
+        engine: the engine file (a path, or one already read: its checksums are then the
+            reader's to verify).
         config: scheduling limits; defaults from the engine's max batch.
         threads: CPU threads for the backend; None uses every core.
         kv_pool_mb: KV pool size in MiB; None: the compiled size or the default rule
@@ -108,13 +110,13 @@ class Engine:
 
     def __init__(self, engine: str | os.PathLike | EngineFile, config: SchedulerConfig | None = None,
                  threads: int | None = None, kv_pool_mb: float | None = None):
-        engine = load_engine_file(engine)
+        if isinstance(engine, EngineFile):
+            self._load(engine, threads, kv_pool_mb)
+        else:
+            engine = load_engine_file(engine, verify=False)
+            with verifying(engine):  # checksums in a thread while the sessions are built
+                self._load(engine, threads, kv_pool_mb)
         paged = engine.manifest.paged
-        if paged is None:
-            raise LlmcError(f"{engine.path}: not a paged engine ({engine.manifest.not_paged}); Engine needs one")
-        self.path, self.manifest = engine.path, engine.manifest
-        self.tokenizer = load_tokenizer(engine)
-        self.decoder = PagedDecoder(engine, threads, kv_pool_mb)
         self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch)
         self.blocks = BlockManager(self.decoder.num_blocks, paged.block_size, paged.window)
         self.scheduler = Scheduler(self.config, self.blocks)
@@ -123,6 +125,13 @@ class Engine:
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalText] = {}
         self._utilization_sum, self._steps = 0.0, 0
+
+    def _load(self, engine: EngineFile, threads: int | None, kv_pool_mb: float | None) -> None:
+        if engine.manifest.paged is None:
+            raise LlmcError(f"{engine.path}: not a paged engine ({engine.manifest.not_paged}); Engine needs one")
+        self.path, self.manifest = engine.path, engine.manifest
+        self.tokenizer = load_tokenizer(engine)
+        self.decoder = PagedDecoder(engine, threads, kv_pool_mb)
 
     def request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                 priority: int = 0, request_id: str | None = None) -> Request:

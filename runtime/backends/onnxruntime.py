@@ -7,8 +7,7 @@ import mmap
 import numpy as np
 import onnxruntime as ort
 
-from llmc.formats.engine_file import EngineFile
-from llmc.formats.onnx_io import FileRange
+from llmc.formats.engine_file import EngineFile, FileRange
 from llmc.formats.sessions import open_session, session_options
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}

@@ -32,9 +32,8 @@ import os
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.formats.engine_file import EngineFile
+from llmc.formats.engine_file import EngineFile, FileRange
 from llmc.formats.manifest import blocks_in, kv_block_bytes
-from llmc.formats.onnx_io import FileRange
 from llmc.formats.sessions import open_session, session_options
 from llmc.runtime.backends.onnxruntime import drop_file_pages, release_model_bytes
 from llmc.plugins.paged_attention import PagedBatch
@@ -121,8 +120,10 @@ class PagedDecoder:
         self.segments = paged.segments
         self.windows = tuple(s.attention.window for s in self.segments if s.attention is not None)
         # First: it loads the attention kernel in a thread while the sessions are built.
+        dense_models = {(s.attention.scale, s.attention.softcap): engine.sections[s.attention.dense]
+                        for s in self.segments if s.attention is not None and s.attention.dense}
         self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
-                                           paged.block_size, threads, paged.kv_dtype)
+                                           paged.block_size, threads, paged.kv_dtype, dense_models)
         options = session_options(threads)
         # Past 2 GB the segments reference their weights in the engine's data section, unread.
         weights = engine.offsets.get("model.onnx.data")

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from paged_cases import build_case
 
-from llmc.plugins.paged_attention import PagedBatch, paged_attention_reference
-from llmc.plugins.paged_attention_onnx import plan_step, standalone_model
+from llmc.plugins.paged_attention import PagedBatch, paged_attention_reference, plan_step
+from llmc.plugins.paged_attention_onnx import standalone_model
 
 SESSIONS = {}
 

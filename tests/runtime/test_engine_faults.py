@@ -124,6 +124,25 @@ def test_a_flipped_manifest_byte_is_refused(pristine, scratch, data):
         path.unlink()
 
 
+@pytest.mark.parametrize("build", [Engine, LLM])
+def test_a_corrupted_section_is_named_when_checked_while_sessions_build(pristine, tiny_llama_engine, scratch, build):
+    # Engine and LLM verify checksums in a thread while they build (formats/engine_file.py,
+    # `verifying`): a flipped weight byte may build fine, and a flipped graph byte may first
+    # fail inside onnxruntime; either way the checksum error is what the user gets.
+    sections = read_engine(tiny_llama_engine).manifest.sections
+    for section in [max(sections, key=lambda s: s.length), next(s for s in sections if s.name.startswith("segment."))]:
+        for where in (section.length // 2, 3):
+            damaged = bytearray(pristine.data)
+            damaged[pristine.data_start + section.offset + where] ^= 0x5A
+            path = next(scratch)
+            path.write_bytes(damaged)
+            try:
+                with pytest.raises(LlmcError, match=f"corrupted engine file .*'{section.name}'"):
+                    build(path)
+            finally:
+                path.unlink()
+
+
 def test_flips_in_padding_between_sections_load_and_change_nothing(pristine, scratch):
     damaged = bytearray(pristine.data)
     for position in pristine.padding:
