@@ -114,11 +114,14 @@ def _share_threads(threads: int | None) -> None:
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="ONNX file to write.")
 @click.option("--no-check", is_flag=True, help="Skip the onnxruntime-vs-PyTorch parity check.")
-def export(model, output, no_check):
+@click.option("--exporter", default="auto", show_default=True, type=click.Choice(["auto", "torchscript", "dynamo"]),
+              help="torch.onnx's exporter: torchscript traces once (fast), dynamo uses torch.export; auto "
+                   "takes torchscript below 1.8 GB of weights.")
+def export(model, output, no_check, exporter):
     """Export MODEL (a built-in name or a Hugging Face checkpoint folder) to ONNX."""
     from llmc.compiler.export import export as export_model
 
-    check = export_model(model, output, check=not no_check, progress=_progress)
+    check = export_model(model, output, check=not no_check, exporter=exporter, progress=_progress)
     click.echo(f"wrote {output}")
     if check is not None:
         click.echo(f"parity vs PyTorch: max abs diff {check.max_abs:.2e} (prefill logits "

@@ -21,16 +21,28 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+import onnx
 import torch
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
 from llmc.formats.decoder_interface import Geometry, geometry_metadata
-from llmc.formats.onnx_io import save_ir_model
+from llmc.errors import LlmcError
+from llmc.formats.onnx_io import EXTERNAL_DATA_THRESHOLD, save_ir_model, save_onnx
 from llmc.formats.sessions import session_options
 from llmc.models import LoadedModel, load_model
 
 # Example sizes for tracing: 0 and 1 would be specialized by torch.export, so use larger ones.
 _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 3, 4
+
+# torch.onnx has two exporters. The TorchScript one traces the model once, in C++: 2 s for the
+# latency benchmark's 26M Llama and 8 s for SmolLM2-135M, against 21 s and 59 s for the
+# torch.export one (two symbolic traces, then onnxscript's optimizer), with the same engine after
+# `llmc compile` (same fused graph, identical logits). A trace fixes Python-level branches on
+# shapes, so the parity check runs at other shapes than the trace's (a 5-token prefill of 2
+# sequences, then a decode with past). It builds one protobuf, so models past 2 GB of weights go
+# through torch.export, whose tensors are never copied. "auto" picks by that size.
+EXPORTERS = ("auto", "torchscript", "dynamo")
+_OPSET = 20  # what the torch.export exporter writes too
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,7 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return inputs, outputs
 
 
-def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool = True,
+def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool = True, exporter: str = "auto",
            progress: Callable[[str], None] = lambda message: None) -> ParityCheck | None:
     """Export a model to an ONNX decoder with past, then check it against PyTorch.
 
@@ -84,8 +96,11 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
         model: a built-in model name, a Hugging Face checkpoint folder, or a loaded model.
         output: the .onnx file to write (weights go to `<output>.data` past 2 GB).
         check: run the seeded onnxruntime-vs-PyTorch parity check after writing.
+        exporter: torch.onnx's "torchscript" or "dynamo" exporter, or "auto" (see `EXPORTERS`).
         progress: called with a short line as each stage starts.
     """
+    if exporter not in EXPORTERS:
+        raise LlmcError(f"--exporter: '{exporter}' is not one of {', '.join(EXPORTERS)}")
     start = time.perf_counter()
     loaded = load_model(str(model)) if not isinstance(model, LoadedModel) else model
     geometry = model_geometry(loaded.model)
@@ -93,21 +108,32 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     progress(f"exporting {loaded.name}: {geometry.num_layers} layers, {geometry.num_heads} heads, "
              f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}, {weights_gb:.2f} GB of weights "
              f"(loaded in {time.perf_counter() - start:.1f} s)")
+    if exporter == "auto":
+        exporter = "torchscript" if weights_gb * 1e9 < EXTERNAL_DATA_THRESHOLD else "dynamo"
+    elif exporter == "torchscript" and weights_gb * 1e9 >= EXTERNAL_DATA_THRESHOLD:
+        raise LlmcError(f"--exporter torchscript: {loaded.name} has {weights_gb:.2f} GB of weights, past what one "
+                        "ONNX protobuf holds; use --exporter dynamo (or auto)")
     start = time.perf_counter()
-    graph = _to_onnx(loaded.model, geometry)
-    progress(f"traced to ONNX in {time.perf_counter() - start:.1f} s")
+    graph = (_trace_torchscript if exporter == "torchscript" else _to_onnx)(loaded.model, geometry)
+    progress(f"traced to ONNX ({exporter}) in {time.perf_counter() - start:.1f} s")
     # One window for every layer, or one per layer (Gemma 2/3, Qwen2's max_window_layers), 0 = full.
     windows = [w or 0 for w in getattr(loaded.model.args, "layer_windows", ())]
     uniform = len(set(windows)) <= 1
     metadata = {**geometry_metadata(geometry, (windows[0] or None) if windows and uniform else None),
                 TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(), "llmc.source_model": loaded.name,
                 **({} if uniform else {"llmc.layer_windows": json.dumps(windows)})}
-    graph.metadata_props.clear()
-    graph.metadata_props.update(metadata)
     start = time.perf_counter()
-    # Straight from the exporter's graph, whose tensors are the model's own: the weights are
-    # never copied into a ModelProto (past 2 GB one cannot hold them).
-    save_ir_model(graph, output)
+    if isinstance(graph, onnx.ModelProto):
+        del graph.metadata_props[:]
+        for key, value in metadata.items():
+            graph.metadata_props.add(key=key, value=value)
+        save_onnx(graph, output)
+    else:
+        graph.metadata_props.clear()
+        graph.metadata_props.update(metadata)
+        # Straight from the exporter's graph, whose tensors are the model's own: the weights are
+        # never copied into a ModelProto (past 2 GB one cannot hold them).
+        save_ir_model(graph, output)
     del graph
     progress(f"wrote {output} in {time.perf_counter() - start:.1f} s")
     if not check:
@@ -117,6 +143,24 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     result = check_parity(loaded.model, output)
     progress(f"checked in {time.perf_counter() - start:.1f} s")
     return result
+
+
+def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> onnx.ModelProto:
+    """The decoder as a ModelProto, by torch.onnx's TorchScript exporter (see `EXPORTERS`)."""
+    inputs = sample_inputs(geometry, _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST, seed=0)
+    input_names, output_names = io_names(geometry.num_layers)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), quiet_exporter():
+        # Its deprecation notice, and a TracerWarning per shape the model compares in Python
+        # (the parity check is what tells whether a trace generalizes).
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_FlatDecoder(model).eval(), tuple(inputs.values()), buffer, dynamo=False,
+                          input_names=input_names, output_names=output_names, opset_version=_OPSET,
+                          dynamic_axes={name: _dynamic_axes(name) for name in [*input_names, *output_names]},
+                          # llmc compile folds constants itself (the exporter's folding cost 8 s of
+                          # SmolLM2-135M's 25).
+                          do_constant_folding=False)
+    return onnx.load_from_string(buffer.getvalue())
 
 
 def _to_onnx(model: torch.nn.Module, geometry: Geometry):
@@ -182,18 +226,20 @@ def _compare_step(model, session, inputs: dict[str, torch.Tensor]):
     return (diffs[0], max(diffs[1:])), ort_out[1:]
 
 
+def _dynamic_axes(name: str) -> dict[int, str]:
+    """The dynamic axes of an interface input or output, by name."""
+    if name.startswith(("past_key_values.", "present.")):
+        return {0: "batch", 2: "past_sequence" if name.startswith("past") else "total_sequence"}
+    return {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total_sequence"},
+            "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}.get(name, {})
+
+
 def _name_dynamic_dims(model) -> None:
     """Give the symbolic dims of an `onnx_ir.Model` readable names (the exporter writes s0, s1 + s2, ...)."""
     import onnx_ir as ir
 
-    names = {"input_ids": {0: "batch", 1: "sequence"},
-             "attention_mask": {0: "batch", 1: "total_sequence"},
-             "position_ids": {0: "batch", 1: "sequence"},
-             "logits": {0: "batch", 1: "sequence"}}
     for value in [*model.graph.inputs, *model.graph.outputs]:
-        axes = names.get(value.name)
-        if axes is None and value.name.startswith(("past_key_values.", "present.")):
-            axes = {0: "batch", 2: "past_sequence" if value.name.startswith("past") else "total_sequence"}
+        axes = _dynamic_axes(value.name)
         if not axes or value.shape is None:
             continue
         dims = list(value.shape)

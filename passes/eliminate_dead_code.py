@@ -1,4 +1,6 @@
-"""Dead code elimination: drop Identity nodes, nodes nobody reads and unused initializers.
+"""Dead code elimination: drop Identity nodes (and Casts to the type their input already has,
+which torch's TorchScript exporter writes for every `.float()` of a float32 value), nodes nobody
+reads and unused initializers.
 
 An Identity's readers are pointed at its input. When its output is a graph output, whose name
 must not change, its input's producer is renamed to produce the output directly; the Identity
@@ -14,7 +16,7 @@ from __future__ import annotations
 import onnx
 
 from llmc.passes.base import Pass, PassResult
-from llmc.passes.graph import DEFAULT_DOMAINS, Graph, Rewrite
+from llmc.passes.graph import DEFAULT_DOMAINS, Graph, Rewrite, attr
 
 
 class EliminateDeadCode(Pass):
@@ -26,9 +28,14 @@ class EliminateDeadCode(Pass):
         pinned = graph.subgraph_reads()
         alias: dict[str, str] = {}
         identities = []
+        types = {t.name: t.data_type for t in model.graph.initializer}
+        types.update((v.name, v.type.tensor_type.elem_type)
+                     for v in (*model.graph.value_info, *model.graph.input, *model.graph.output))
         for node in model.graph.node:
             _redirect_inputs(node, alias)
-            if node.op_type != "Identity" or node.domain not in DEFAULT_DOMAINS:
+            if node.domain not in DEFAULT_DOMAINS or not (
+                    node.op_type == "Identity"
+                    or node.op_type == "Cast" and types.get(node.input[0], 0) == attr(node, "to")):
                 continue
             source, target = node.input[0], node.output[0]
             if target in pinned:

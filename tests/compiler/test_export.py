@@ -6,6 +6,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from llmc.errors import LlmcError
 from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.export import _FlatDecoder, export, io_names, model_geometry, sample_inputs
 from llmc.models import load_model
@@ -14,12 +15,24 @@ TOLERANCE = 1e-4  # fp32
 SHAPES = [(1, 1, 0), (2, 7, 0), (3, 1, 9), (2, 4, 5), (1, 16, 3)]  # (batch, seq, past)
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
+# "auto" is the TorchScript exporter at these sizes; torch.export's is what models past 2 GB take.
+@pytest.fixture(scope="module", params=[("tiny-llama", "auto"), ("tiny-gpt2", "auto"), ("tiny-llama", "dynamo")],
+                ids=lambda p: "-".join(p))
 def exported(request, tmp_path_factory):
-    loaded = load_model(request.param)
-    path = tmp_path_factory.mktemp(request.param) / "model.onnx"
-    check = export(loaded, path)
+    name, exporter = request.param
+    loaded = load_model(name)
+    path = tmp_path_factory.mktemp(name) / "model.onnx"
+    check = export(loaded, path, exporter=exporter)
     return loaded, path, check
+
+
+def test_torchscript_is_refused_past_one_protobuf(monkeypatch, tmp_path):
+    monkeypatch.setattr("llmc.compiler.export.EXTERNAL_DATA_THRESHOLD", 1000)
+    with pytest.raises(LlmcError, match="--exporter torchscript: tiny-llama has .* GB of weights"):
+        export(load_model("tiny-llama"), tmp_path / "model.onnx", exporter="torchscript")
+    with pytest.raises(LlmcError, match="--exporter: 'jit' is not one of auto, torchscript, dynamo"):
+        export(load_model("tiny-llama"), tmp_path / "model.onnx", exporter="jit")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_parity_check_reports_small_error(exported):
