@@ -118,7 +118,10 @@ class GPT2Attention(nn.Module):
         self, x: torch.Tensor, allowed: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         heads_shape = (*x.shape[:-1], -1, self.head_dim)
-        q, k, v = (t.view(heads_shape).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
+        # split with its static width, not chunk: the TorchScript exporter writes chunk as three
+        # Slices of computed bounds, which the QKV fusion does not see as one projection.
+        q, k, v = (t.view(heads_shape).transpose(1, 2)
+                   for t in self.c_attn(x).split(self.c_proj.in_features, dim=-1))
         k = torch.cat((past[0], k), dim=2)
         v = torch.cat((past[1], v), dim=2)
         out = attend(q, k, v, allowed, self.head_dim**-0.5)
