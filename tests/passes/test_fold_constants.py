@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 from pass_testing import export_module, op_counts, run_pass
@@ -197,17 +196,18 @@ def test_torchscript_export_parity():
     assert not {"Shape", "Gather", "Unsqueeze", "Concat"} & set(op_counts(static.model))
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
-def test_tiny_llama_parity(tiny_llama_onnx, static):
-    model = onnx.load(tiny_llama_onnx)
-    if static:  # the sizes compare_models feeds
-        sizes = {"batch": 2, "sequence": 5, "past_sequence": 3, "total_sequence": 8}
-        for value in model.graph.input:
-            for dim in value.type.tensor_type.shape.dim:
-                if dim.dim_param:
-                    dim.dim_value = sizes[dim.dim_param]
-    refresh_shapes(model)
-    result = _fold(model)
-    # The dynamo exporter folds what it can itself; static sizes leave the shape arithmetic.
-    assert (result.matches > 0) == static
-    assert ("Shape" in op_counts(result.model)) != static
+def test_tiny_llama_parity(tiny_llama_onnx):
+    results = {}
+    for static in (False, True):
+        model = onnx.load(tiny_llama_onnx)
+        if static:  # the sizes compare_models feeds
+            sizes = {"batch": 2, "sequence": 5, "past_sequence": 3, "total_sequence": 8}
+            for value in model.graph.input:
+                for dim in value.type.tensor_type.shape.dim:
+                    if dim.dim_param:
+                        dim.dim_value = sizes[dim.dim_param]
+        refresh_shapes(model)
+        results[static] = _fold(model)  # checks parity with the unfolded graph
+    # llmc export leaves constant arithmetic to llmc (its TorchScript trace folds nothing);
+    # static sizes fold shape arithmetic on top.
+    assert 0 < results[False].matches < results[True].matches
