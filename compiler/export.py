@@ -157,9 +157,9 @@ def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> onnx.Model
         torch.onnx.export(_FlatDecoder(model).eval(), tuple(inputs.values()), buffer, dynamo=False,
                           input_names=input_names, output_names=output_names, opset_version=_OPSET,
                           dynamic_axes={name: _dynamic_axes(name) for name in [*input_names, *output_names]},
-                          # llmc compile folds constants itself (the exporter's folding cost 8 s of
-                          # SmolLM2-135M's 25).
-                          do_constant_folding=False)
+                          # Folded, the weights reach their MatMuls as initializers (not through a
+                          # Transpose), as the precision passes and torch.export's graphs have them.
+                          do_constant_folding=True)
     return onnx.load_from_string(buffer.getvalue())
 
 
