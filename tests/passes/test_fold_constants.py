@@ -208,6 +208,6 @@ def test_tiny_llama_parity(tiny_llama_onnx):
                         dim.dim_value = sizes[dim.dim_param]
         refresh_shapes(model)
         results[static] = _fold(model)  # checks parity with the unfolded graph
-    # llmc export leaves constant arithmetic to llmc (its TorchScript trace folds nothing);
-    # static sizes fold shape arithmetic on top.
+    # llmc export's TorchScript trace leaves shape-constant arithmetic for llmc to fold; static
+    # sizes fold the arithmetic behind Shape on top.
     assert 0 < results[False].matches < results[True].matches
