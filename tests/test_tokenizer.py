@@ -152,6 +152,20 @@ def test_bad_files_and_json_are_user_errors_naming_their_source(tmp_path: Path) 
     with pytest.raises(LlmcError, match="^engine.plan: tokenizer JSON is not valid JSON"):
         Tokenizer.from_json("{", source="engine.plan")
     with pytest.raises(LlmcError, match="^engine.plan: the tokenizer could not be read"):
-        Tokenizer.from_json(json.dumps({**good, "tokenizer": {}}), source="engine.plan")
+        Tokenizer.from_json(json.dumps({**good, "tokenizer_json": "{}"}), source="engine.plan")
+    older = {k: v for k, v in good.items() if k != "tokenizer_json"}  # the inner tokenizer as an object
+    with pytest.raises(LlmcError, match="^engine.plan: the tokenizer could not be read"):
+        Tokenizer.from_json(json.dumps({**older, "tokenizer": {}}), source="engine.plan")
     with pytest.raises(LlmcError, match="^tokenizer JSON: "):
         Tokenizer.from_json(json.dumps({**good, "eos_ids": 7}))
+
+
+def test_json_written_before_the_inner_tokenizer_was_a_string_still_loads() -> None:
+    # Engines and exports written before store the inner tokenizer as a nested object.
+    tokenizer = byte_level_tokenizer()
+    data = json.loads(tokenizer.to_json())
+    data["tokenizer"] = json.loads(data.pop("tokenizer_json"))
+    older = Tokenizer.from_json(json.dumps(data))
+    text = "def f(x):\n    return x  # café"
+    assert older.encode(text) == tokenizer.encode(text)
+    assert older.to_json() == tokenizer.to_json()
