@@ -34,13 +34,14 @@ from llmc.models import LoadedModel, load_model
 # Example sizes for tracing: 0 and 1 would be specialized by torch.export, so use larger ones.
 _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 3, 4
 
-# torch.onnx has two exporters. The TorchScript one traces the model once, in C++: 2 s for the
-# latency benchmark's 26M Llama and 8 s for SmolLM2-135M, against 21 s and 59 s for the
-# torch.export one (two symbolic traces, then onnxscript's optimizer), with the same engine after
-# `llmc compile` (same fused graph, identical logits). A trace fixes Python-level branches on
-# shapes, so the parity check runs at other shapes than the trace's (a 5-token prefill of 2
-# sequences, then a decode with past). It builds one protobuf, so models past 2 GB of weights go
-# through torch.export, whose tensors are never copied. "auto" picks by that size.
+# torch.onnx has two exporters. The TorchScript one traces the model once, in C++: about 2 s for
+# the latency benchmark's 26M Llama and 17 s for SmolLM2-135M (its constant folding included),
+# against 21 s and 59 s for the torch.export one (two symbolic traces, then onnxscript's
+# optimizer), with the same engine after `llmc compile` (same fused graph, identical logits). A
+# trace fixes Python-level branches on shapes, so the parity check runs at other shapes than the
+# trace's (a 5-token prefill of 2 sequences, then a decode with past). It builds one protobuf, so
+# models past EXTERNAL_DATA_THRESHOLD (1.8 GB) of weights go through torch.export, whose tensors
+# are never copied. "auto" picks by that size.
 EXPORTERS = ("auto", "torchscript", "dynamo")
 _OPSET = 20  # what the torch.export exporter writes too
 
@@ -108,9 +109,10 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     progress(f"exporting {loaded.name}: {geometry.num_layers} layers, {geometry.num_heads} heads, "
              f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}, {weights_gb:.2f} GB of weights "
              f"(loaded in {time.perf_counter() - start:.1f} s)")
+    fits_one_protobuf = weights_gb * 1e9 < EXTERNAL_DATA_THRESHOLD
     if exporter == "auto":
-        exporter = "torchscript" if weights_gb * 1e9 < EXTERNAL_DATA_THRESHOLD else "dynamo"
-    elif exporter == "torchscript" and weights_gb * 1e9 >= EXTERNAL_DATA_THRESHOLD:
+        exporter = "torchscript" if fits_one_protobuf else "dynamo"
+    elif exporter == "torchscript" and not fits_one_protobuf:
         raise LlmcError(f"--exporter torchscript: {loaded.name} has {weights_gb:.2f} GB of weights, past what one "
                         "ONNX protobuf holds; use --exporter dynamo (or auto)")
     start = time.perf_counter()
