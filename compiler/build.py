@@ -20,7 +20,8 @@ import llmc
 from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.engine_checks import check_against_source, check_engine_graph, unfused_attention
 from llmc.formats.engine_file import remove_stale_temporaries, write_engine
-from llmc.formats.onnx_io import has_external_weights, is_large, load_onnx, serialize, validate, write_model_files
+from llmc.formats.onnx_io import (has_external_weights, is_large, load_onnx, move_weights_to_engine_section,
+                                  serialize, validate, write_model_files)
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
 from llmc.compiler.segments import cut_segments, dense_attention_sections, segment_sections
 from llmc.precision.gate import check_accuracy, general_text_windows
@@ -131,13 +132,18 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     # model's weights are never all in memory.
     remove_stale_temporaries(output.parent, ".llmc-")
     with tempfile.TemporaryDirectory(prefix=f".llmc-{os.getpid()}.", dir=output.parent) as folder:
-        if paged_entry is not None and not has_external_weights(model):
-            # Cut in memory: writing the graph to cut it from the file cost a save and a load.
-            paged_entry["segments"], payload = segment_sections(model)
-        else:
-            payload = write_model_files(model, folder)
+        # The weights go to one section that onnxruntime maps from the engine file at load.
+        if has_external_weights(model):
+            payload = write_model_files(model, folder, engine=True)
             if paged_entry is not None:
                 paged_entry["segments"], payload = cut_segments(payload)
+        else:  # in memory: writing the graph to cut it from a file cost a save and a load
+            weights = move_weights_to_engine_section(model)
+            if paged_entry is not None:
+                paged_entry["segments"], payload = segment_sections(model)
+            else:
+                payload = {"model.onnx": model.SerializeToString()}
+            payload["model.onnx.data"] = weights
         if paged_entry is not None:
             payload.update(dense_attention_sections(paged_entry["segments"], interface.geometry,
                                                     paged_entry["block_size"], paged_entry["kv_dtype"]))

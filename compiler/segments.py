@@ -29,7 +29,7 @@ from llmc.plugins.paged_attention_onnx import register, standalone_model
 def cut_segments(payload: dict[str, Path]) -> tuple[list[dict], dict[str, bytes | Path]]:
     """The manifest's segment entries and the engine sections of a paged graph written by
     `write_model_files`: "segment.K.onnx" per segment that holds nodes, and the weights'
-    "model.onnx.data" (past 2 GB) that every segment references, unchanged."""
+    "model.onnx.data" that every segment references, unchanged."""
     model = onnx.load(str(payload["model.onnx"]), load_external_data=False)
     entries, sections = segment_sections(model)
     if "model.onnx.data" in payload:

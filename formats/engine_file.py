@@ -20,6 +20,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import shutil
 import struct
 import threading
@@ -33,6 +34,17 @@ from llmc.formats.manifest import FORMAT_VERSION, Manifest, parse_manifest
 
 MAGIC = b"LLMCENG\0"
 HEADER = struct.Struct("<8sIQ32s")
+
+# An engine's graphs reference their weights in its own "model.onnx.data" section, which
+# onnxruntime maps from the engine file (measured on SmolLM2-135M's 30 segments: sessions built in
+# 0.7 s instead of 1.7 s from inline weights, 0.4 GB less resident). The file's name is not known
+# when the engine is written, so each reference holds a fixed-width placeholder location and a
+# fixed-width offset into the section; `bind_weights` writes the name and absolute offsets over
+# them, same widths, so no protobuf length changes and loading needs no onnx.
+WEIGHTS_LOCATION = "llmc-engine-weights".ljust(258, "_")  # longer than any file name (255) + 2
+OFFSET_DIGITS = 20
+_LOCATION_ENTRY = b"\n\x08location\x12\x82\x02" + WEIGHTS_LOCATION.encode()  # StringStringEntryProto
+_OFFSET_ENTRY = re.compile(rb"\n\x06offset\x12\x14(\d{20})")
 _ALIGN = 64
 _CHUNK = 1 << 26
 
@@ -146,6 +158,29 @@ def _chunks(data: bytes | memoryview | os.PathLike):
     with open(data, "rb") as f:
         while chunk := f.read(_CHUNK):
             yield chunk
+
+
+def bind_weights(graph: bytes | memoryview, data: FileRange) -> bytes | None:
+    """A serialized graph whose weight references (written with `WEIGHTS_LOCATION`) name
+    `data`'s file, at offsets shifted by `data.offset`; None when it has no such references (a
+    graph written otherwise, e.g. by an earlier llmc)."""
+    graph = bytes(graph)
+    references = graph.count(_LOCATION_ENTRY)
+    if not references:
+        return None
+    name = data.path.name.encode()
+    spare = len(WEIGHTS_LOCATION) - len(name)
+    if spare < 2:
+        raise LlmcError(f"{data.path}: file name longer than {len(WEIGHTS_LOCATION) - 2} bytes")
+    # "./" repeated (and one "//" when the spare width is odd) leaves the path unchanged.
+    padded = (b"./" * (spare // 2) if spare % 2 == 0 else b".//" + b"./" * ((spare - 3) // 2)) + name
+    graph = graph.replace(_LOCATION_ENTRY, _LOCATION_ENTRY[:-len(WEIGHTS_LOCATION)] + padded)
+    graph, shifted = _OFFSET_ENTRY.subn(
+        lambda m: m[0][:-OFFSET_DIGITS] + b"%020d" % (int(m[1]) + data.offset), graph)
+    if shifted != references:
+        raise LlmcError(f"{data.path}: corrupted engine file ({references} weight references, "
+                        f"{shifted} offsets)")
+    return graph
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:

@@ -17,6 +17,7 @@ the model is inferred, checked or serialized. Small models are held and saved in
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import shutil
@@ -29,7 +30,7 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
 from llmc.errors import LlmcError, first_line
-from llmc.formats.engine_file import FileRange
+from llmc.formats.engine_file import OFFSET_DIGITS, WEIGHTS_LOCATION, FileRange
 
 # Protobuf cannot serialize a message of 2 GiB or more; stay clear of it with headroom for the graph.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -126,20 +127,35 @@ def save_ir_model(model, path: str | os.PathLike) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_model_files(model: onnx.ModelProto, folder: str | os.PathLike) -> dict[str, Path]:
+def write_model_files(model: onnx.ModelProto, folder: str | os.PathLike, *, engine: bool = False) -> dict[str, Path]:
     """Write the model as files into `folder`: {"model.onnx": path}, plus "model.onnx.data" past
     2 GB, the weights streamed from where they are (no copy of them in memory).
 
     Args:
         model: the model.
         folder: an existing folder.
+        engine: the files are an engine's payload: the weights always go to "model.onnx.data",
+            referenced as `engine_file.bind_weights` expects.
     """
     path = Path(folder) / "model.onnx"
-    if not _has_external_weights(model):
+    if not engine and not _has_external_weights(model):
         onnx.save_model(model, str(path))
         return {"model.onnx": path}
-    _write_with_external_data(model, path, "model.onnx.data")
+    _write_with_external_data(model, path, "model.onnx.data", engine=engine)
     return {"model.onnx": path, "model.onnx.data": path.with_name("model.onnx.data")}
+
+
+def move_weights_to_engine_section(model: onnx.ModelProto) -> memoryview:
+    """Move the initializers of 1 KiB or more of a model held in memory (under 2 GB) into one
+    buffer, the engine's "model.onnx.data" section, each referenced as `engine_file.bind_weights`
+    expects; returns the buffer. The model's graph then holds no weights."""
+    out = io.BytesIO()
+    for tensor in model.graph.initializer:
+        if tensor.data_type != onnx.TensorProto.STRING and tensor.ByteSize() >= EXTERNAL_MIN_BYTES:
+            data = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+            offset = _append_aligned(out, data)
+            _set_external(tensor, WEIGHTS_LOCATION, offset, len(data), engine=True)
+    return out.getbuffer()
 
 
 def model_bytes(model: onnx.ModelProto) -> int:
@@ -482,9 +498,10 @@ def _pin_locations(model: onnx.ModelProto, folder: Path) -> None:
         _set_external(tensor, str(source), info.offset or 0, _external_length(tensor))
 
 
-def _write_with_external_data(model: onnx.ModelProto, path: Path, data_name: str) -> list[int]:
+def _write_with_external_data(model: onnx.ModelProto, path: Path, data_name: str, *, engine: bool = False) -> list[int]:
     """Write the graph to `path` and every tensor of 1 KiB or more to `data_name` beside it,
-    streaming from the tensors' current files; returns the new offsets, in `_get_all_tensors` order."""
+    streaming from the tensors' current files; returns the new offsets, in `_get_all_tensors` order.
+    With `engine`, the references are an engine's (see `write_model_files`)."""
     spill_large_tensors(model)
     graph = onnx.ModelProto()
     graph.CopyFrom(model)  # cheap after spilling: the weights are references
@@ -502,7 +519,7 @@ def _write_with_external_data(model: onnx.ModelProto, path: Path, data_name: str
             else:
                 offsets.append(None)
                 continue
-            _set_external(tensor, data_name, offset, length)
+            _set_external(tensor, WEIGHTS_LOCATION if engine else data_name, offset, length, engine=engine)
             offsets.append(offset)
     onnx.save_model(graph, str(path))
     return offsets
@@ -515,12 +532,15 @@ def _repoint(model: onnx.ModelProto, data_file: Path, offsets: list[int | None])
             _set_external(tensor, str(data_file.resolve()), offset, _external_length(tensor))
 
 
-def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int, *, engine: bool = False) -> None:
+    """Reference `length` bytes of `location` from `offset`; an engine's reference writes the
+    offset at the fixed width `engine_file.bind_weights` rewrites in place."""
     tensor.ClearField("raw_data")
     for name in _TYPED_FIELDS:
         tensor.ClearField(name)
     del tensor.external_data[:]
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+    for key, value in (("location", location), ("offset", str(offset).zfill(OFFSET_DIGITS if engine else 0)),
+                       ("length", str(length))):
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
     tensor.data_location = onnx.TensorProto.EXTERNAL

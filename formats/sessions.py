@@ -18,7 +18,7 @@ from __future__ import annotations
 import onnxruntime as ort
 
 from llmc.errors import LlmcError
-from llmc.formats.engine_file import FileRange
+from llmc.formats.engine_file import FileRange, bind_weights
 
 _shared_threads: int | None = None  # the process-wide pool's size once `share_threads` made it
 
@@ -70,9 +70,12 @@ def open_session(files: dict, options: ort.SessionOptions) -> ort.InferenceSessi
     """
     graph, data = files["model.onnx"], files.get("model.onnx.data")
     if isinstance(data, FileRange):
-        from llmc.formats.onnx_io import point_to_file  # imports onnx: only for models past 2 GB
+        bound = bind_weights(graph, data)
+        if bound is None:  # an engine written before WEIGHTS_LOCATION, or a model file's own data
+            from llmc.formats.onnx_io import point_to_file  # imports onnx
 
-        graph = point_to_file(graph, data)
+            bound = point_to_file(graph, data)
+        graph = bound
         key, folder = "session.model_external_initializers_file_folder_path", str(data.path.resolve().parent)
         if _config_entry(options, key) != folder:
             options.add_session_config_entry(key, folder)

@@ -28,7 +28,7 @@ class OnnxRuntimeDecoder:
         self.has_position_ids = manifest.has_position_ids
         options = session_options(threads, alone=True)
         files = {"model.onnx": engine.sections["model.onnx"]}
-        if "model.onnx.data" in engine.sections:  # past 2 GB: onnxruntime reads the weights from the engine
+        if "model.onnx.data" in engine.sections:  # onnxruntime maps the weights from the engine file
             files["model.onnx.data"] = FileRange(engine.path, engine.offsets["model.onnx.data"])
         self.session = open_session(files, options)
         release_model_bytes(self.session)

@@ -125,7 +125,7 @@ class PagedDecoder:
         self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
                                            paged.block_size, threads, paged.kv_dtype, dense_models)
         options = session_options(threads)
-        # Past 2 GB the segments reference their weights in the engine's data section, unread.
+        # The segments reference their weights in the engine's data section, which onnxruntime maps.
         weights = engine.offsets.get("model.onnx.data")
         self._sessions = []
         for segment in self.segments:

@@ -170,3 +170,40 @@ def test_engine_is_readable_as_the_umask_allows_and_stale_temporaries_go(tmp_pat
         os.umask(old)
     assert (tmp_path / "engine.plan").stat().st_mode & 0o777 == 0o644
     assert not stale.exists() and ours.exists()
+
+
+@pytest.mark.parametrize("name", ["e.plan", "odd-length.plan", "x" * 200])
+def test_engine_weights_are_bound_to_the_engine_file_without_onnx(tmp_path, name):
+    # An engine's graphs reference their weights by placeholder; the runtime writes the file's
+    # name (padded to the placeholder's width, odd or even) and absolute offsets over them.
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from llmc.formats import onnx_io
+    from llmc.formats.engine_file import FileRange, bind_weights
+    from llmc.formats.sessions import open_session, session_options
+
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((64, 32)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 32])],
+                              [numpy_helper.from_array(weights, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inline = model.SerializeToString()
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    data = onnx_io.move_weights_to_engine_section(model)
+    assert model.graph.initializer[0].data_location == TensorProto.EXTERNAL and len(data) >= weights.nbytes
+    path = tmp_path / name
+    write_engine(path, MANIFEST, {"tokenizer.json": b"{}", "model.onnx": model.SerializeToString(), "model.onnx.data": data})
+    engine = read_engine(path)
+    weights_file = FileRange(path, engine.offsets["model.onnx.data"])
+    bound = bind_weights(engine.sections["model.onnx"], weights_file)
+    assert len(bound) == len(model.SerializeToString()) and bound != model.SerializeToString()  # same widths: no length changed
+    session = open_session({"model.onnx": engine.sections["model.onnx"], "model.onnx.data": weights_file},
+                           session_options(1))
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], reference, rtol=1e-6, atol=1e-6)
+    assert bind_weights(inline, weights_file) is None  # weights inline: nothing to bind

@@ -62,3 +62,4 @@ def test_checker_still_rejects_a_broken_large_graph(tmp_path, large):
     model.graph.node[0].op_type = "NoSuchOp"
     with pytest.raises(Exception, match="NoSuchOp"):
         onnx_io.check_model(model)
+
