@@ -289,8 +289,11 @@ def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p
     if stream:
         for prompt in prompts:
             _stream_one(llm, prompt, params, as_json)
+        llm.section_check.wait()  # the weights' checksum, hashed while generating
         return
-    for completion in llm.generate(prompts, params):
+    completions = llm.generate(prompts, params)
+    llm.section_check.wait()  # the weights' checksum, hashed while generating: before any output
+    for completion in completions:
         if as_json:
             click.echo(json.dumps({"prompt": completion.prompt, "text": completion.text,
                                    "token_ids": completion.token_ids,
@@ -461,6 +464,7 @@ def check(engine_path, reference, data, window, max_tokens, generate, max_ppl_in
     engine = LLM(_existing(engine_path), threads)
     report = run_check(engine, ReferenceModel(_existing(reference), threads), data, window=window,
                        max_tokens=max_tokens, generate=generate, progress=_progress)
+    engine.section_check.wait()
     failed = max_ppl_increase is not None and report.ppl_increase_pct > max_ppl_increase
     if as_json:
         click.echo(json.dumps({**report.to_dict(), "max_ppl_increase": max_ppl_increase, "passed": not failed}))

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.formats.engine_file import verifying
+from llmc.formats.engine_file import SectionCheck
 from llmc.runtime.backends.onnxruntime import OnnxRuntimeDecoder
 from llmc.runtime.contiguous_generation import generate_tokens
 from llmc.runtime.detokenizer import IncrementalText
@@ -54,9 +54,11 @@ class LLM:
                  config: SchedulerConfig | None = None, kv_pool_mb: float | None = None):
         engine = load_engine_file(engine_path, verify=False)
         self.path, self.manifest = engine.path, engine.manifest
-        with verifying(engine):  # checksums in a thread while the sessions are built
+        self.section_check = SectionCheck(engine)
+        with self.section_check.graphs_checked():  # in a thread while the sessions are built
             if engine.manifest.paged is not None:
-                self.engine: Engine | None = Engine(engine, config, threads, kv_pool_mb)
+                self.engine: Engine | None = Engine(engine, config, threads, kv_pool_mb,
+                                                    section_check=self.section_check)
                 self.tokenizer, self.max_seq_len = self.engine.tokenizer, self.engine.max_seq_len
                 self._contiguous = None
             else:
@@ -70,6 +72,7 @@ class LLM:
         (accuracy checks: perplexity, agreement with a reference)."""
         if self.engine is not None:
             return self.engine.logits(token_ids)
+        self.section_check.raise_if_failed()
         ids = np.asarray(token_ids, np.int64)
         if not 0 < len(ids) <= self.max_seq_len:
             raise LlmcError(f"logits: {len(ids)} tokens; this engine takes 1 to {self.max_seq_len}")
@@ -140,6 +143,7 @@ class LLM:
         texts = [IncrementalText(self.tokenizer, prompt, p.stop) for prompt, p in zip(ids, params)]
         stopped: set[int] = set()
         for event in generate_tokens(self._contiguous, ids, params, self.tokenizer.eos_ids):
+            self.section_check.raise_if_failed()
             if event.index in stopped:
                 continue  # a stop string ended it; the batch loop does not know stop strings
             text = texts[event.index]

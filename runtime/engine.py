@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from llmc.errors import LlmcError
-from llmc.formats.engine_file import EngineFile, read_engine, verifying
+from llmc.formats.engine_file import EngineFile, SectionCheck, read_engine
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
 from llmc.runtime.contiguous_generation import finish_reason
@@ -53,7 +53,7 @@ class RequestOutput:
 
 def load_engine_file(path: str | os.PathLike | EngineFile, verify: bool = True) -> EngineFile:
     """Read an engine file this build can run (the onnxruntime backend); `verify=False` leaves
-    the sections' checksums to the caller (formats/engine_file.py, `verifying`)."""
+    the sections' checksums to the caller (formats/engine_file.py, `SectionCheck`)."""
     engine = path if isinstance(path, EngineFile) else read_engine(path, verify=verify)
     if engine.manifest.backend != "onnxruntime":
         raise LlmcError(f"{engine.path}: backend '{engine.manifest.backend}' cannot run here; this "
@@ -101,20 +101,25 @@ class Engine:
 
     Args:
         engine: the engine file (a path, or one already read: its checksums are then the
-            reader's to verify).
+            reader's to verify, or `section_check`'s).
         config: scheduling limits; defaults from the engine's max batch.
         threads: CPU threads for the backend; None uses every core.
         kv_pool_mb: KV pool size in MiB; None: the compiled size or the default rule
             (runtime/backends/paged_onnxruntime.py, `pool_blocks`).
+        section_check: the checksums of an engine read by the caller, still being verified: a
+            mismatch fails the steps after it is found.
     """
 
     def __init__(self, engine: str | os.PathLike | EngineFile, config: SchedulerConfig | None = None,
-                 threads: int | None = None, kv_pool_mb: float | None = None):
+                 threads: int | None = None, kv_pool_mb: float | None = None, *,
+                 section_check: SectionCheck | None = None):
+        self.section_check = section_check
         if isinstance(engine, EngineFile):
             self._load(engine, threads, kv_pool_mb)
         else:
             engine = load_engine_file(engine, verify=False)
-            with verifying(engine):  # checksums in a thread while the sessions are built
+            self.section_check = SectionCheck(engine)
+            with self.section_check.graphs_checked():  # in a thread while the sessions are built
                 self._load(engine, threads, kv_pool_mb)
         paged = engine.manifest.paged
         self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch)
@@ -181,6 +186,8 @@ class Engine:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """[tokens, vocab] logits at every position of one sequence, computed from scratch in
         blocks the block manager lends for the call (accuracy checks: perplexity, agreement)."""
+        if self.section_check is not None:
+            self.section_check.raise_if_failed()
         ids = np.asarray(token_ids, np.int64)
         if not 0 < len(ids) <= self.max_seq_len:
             raise LlmcError(f"logits: {len(ids)} tokens; this engine takes 1 to {self.max_seq_len}")
@@ -203,6 +210,8 @@ class Engine:
                 "preemptions": self.scheduler.preemptions}
 
     def _execute(self, chunks: list[Chunk]) -> np.ndarray:
+        if self.section_check is not None:
+            self.section_check.raise_if_failed()  # corrupted weights: no step may run
         for pool in self.decoder.pools.values():
             for src, dst in self.scheduler.copies:
                 pool[dst] = pool[src]

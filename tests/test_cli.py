@@ -162,9 +162,11 @@ def test_run_truncated_engine(engine_copy):
 
 def test_run_corrupted_engine(engine_copy):
     data = bytearray(open(engine_copy, "rb").read())
-    data[len(data) // 2] ^= 0x5A
+    data[len(data) // 2] ^= 0x5A  # in the weights, whose checksum is verified while generating
     open(engine_copy, "wb").write(bytes(data))
-    assert_refused(llmc("run", engine_copy, "--prompt", "a"), "engine.plan: corrupted engine file")
+    result = llmc("run", engine_copy, "--prompt", "a")
+    assert_refused(result, "engine.plan: corrupted engine file (checksum mismatch in section 'model.onnx.data')")
+    assert result.stdout == ""  # no completion from corrupted weights
 
 
 def test_run_newer_engine_format(engine_copy):

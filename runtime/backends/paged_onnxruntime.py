@@ -37,8 +37,7 @@ from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.formats.sessions import open_session, session_options
 from llmc.runtime.backends.onnxruntime import drop_file_pages, release_model_bytes
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.plugins.paged_attention_cpu import (DENSE_MIN_TOKENS, POOL_TYPES, CpuPagedAttention,
-                                               store)
+from llmc.plugins.paged_attention_cpu import DENSE_MIN_TOKENS, CpuPagedAttention
 
 # The default pool's share of the memory available at load (weights and sessions already counted
 # out): the rest is left to the process's other arrays, the page cache and other processes.
@@ -169,8 +168,7 @@ class PagedDecoder:
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = self._slots(batch)
         for pool, new in stores:
-            bits = POOL_TYPES[pool.dtype]  # Numba has no float16: it stores the bits
-            store(pool.view(bits), new.view(bits), blocks, offsets)
+            self.attention.store(pool, new, blocks, offsets)
         return values["logits"][0]
 
     def warm_up(self, tokens: int = DENSE_MIN_TOKENS + 1, seqs: int = 2) -> None:
@@ -180,8 +178,11 @@ class PagedDecoder:
         prompt chunk (dense form) and one decode (kernel), is what start-up pays for: measured on
         SmolLM2-135M, 0.10 s, while a step of the scheduler's largest size (128 tokens, 63 of them
         decodes) took 0.5 s at load and saved the first real step of that size about 0.07 s.
+        The decodes are left out while the kernel is still loading: start-up does not wait for it.
         It writes only into pool blocks no request owns yet; nothing reads them before a
         request's own keys and values overwrite them."""
+        if not self.attention.loaded:
+            seqs = 1
         blocks = len(next(iter(self.pools.values())))
         decodes = max(0, min(seqs - 1, tokens - 1, blocks - 1))
         prompt = max(1, min(tokens - decodes, (blocks - decodes) * self.block_size))

@@ -126,19 +126,35 @@ def test_a_flipped_manifest_byte_is_refused(pristine, scratch, data):
 
 @pytest.mark.parametrize("build", [Engine, LLM])
 def test_a_corrupted_section_is_named_when_checked_while_sessions_build(pristine, tiny_llama_engine, scratch, build):
-    # Engine and LLM verify checksums in a thread while they build (formats/engine_file.py,
-    # `verifying`): a flipped weight byte may build fine, and a flipped graph byte may first
-    # fail inside onnxruntime; either way the checksum error is what the user gets.
+    # Engine and LLM verify checksums in a thread (formats/engine_file.py, `SectionCheck`). A
+    # flipped graph byte may first fail inside onnxruntime: the checksum error is what building
+    # raises. A flipped weight byte builds fine and is found while serving: waiting for the check
+    # raises it, and so does every later step.
     sections = read_engine(tiny_llama_engine).manifest.sections
-    for section in [max(sections, key=lambda s: s.length), next(s for s in sections if s.name.startswith("segment."))]:
+    for section in [next(s for s in sections if s.name == "model.onnx.data"),
+                    next(s for s in sections if s.name.startswith("segment."))]:
         for where in (section.length // 2, 3):
             damaged = bytearray(pristine.data)
             damaged[pristine.data_start + section.offset + where] ^= 0x5A
             path = next(scratch)
             path.write_bytes(damaged)
+            corrupted = f"corrupted engine file .*'{section.name}'"
             try:
-                with pytest.raises(LlmcError, match=f"corrupted engine file .*'{section.name}'"):
-                    build(path)
+                if section.name != "model.onnx.data":
+                    with pytest.raises(LlmcError, match=corrupted):
+                        build(path)
+                    continue
+                built = build(path)
+                with pytest.raises(LlmcError, match=corrupted):
+                    built.section_check.wait()
+                if build is LLM:
+                    with pytest.raises(LlmcError, match=corrupted):
+                        built.generate("hello")
+                else:
+                    built.add_request("hello")
+                    (output,) = built.step()
+                    assert isinstance(output.error, LlmcError) and output.finish_reason == "error"
+                    assert "corrupted engine file" in str(output.error)
             finally:
                 path.unlink()
 
