@@ -25,7 +25,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,17 +62,15 @@ def decode_latency(raw: onnx.ModelProto, optimized: onnx.ModelProto, threads: in
     """Median ms of one decode step for the raw and the optimized graph, rounds alternating."""
     from llmc.compiler.compare import seeded_feeds
     from llmc.formats.onnx_io import serialize
+    from llmc.formats.sessions import open_session
 
     feeds = seeded_feeds(raw, batch=1, seq=1, past=DECODE_PAST)
     sessions = []
-    with tempfile.TemporaryDirectory(prefix="llmc-bench-") as folder:
-        for index, model in enumerate((raw, optimized)):
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = threads
-            options.log_severity_level = 3
-            path = Path(folder) / f"{index}.onnx"
-            path.write_bytes(serialize(model)["model.onnx"])
-            sessions.append(ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]))
+    for model in (raw, optimized):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.log_severity_level = 3
+        sessions.append(open_session(serialize(model), options))
     times: list[list[float]] = [[], []]
     for round_ in range(WARMUP + ROUNDS):
         for index in (round_ % 2, 1 - round_ % 2):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -19,11 +18,10 @@ import onnx
 import llmc
 from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.engine_checks import check_against_source, check_engine_graph, unfused_attention
-from llmc.formats.engine_file import remove_stale_temporaries, write_engine
-from llmc.formats.onnx_io import (has_external_weights, is_large, load_onnx, move_weights_to_engine_section,
-                                  serialize, validate, write_model_files)
+from llmc.formats.engine_file import write_engine
+from llmc.formats.onnx_io import engine_weights, is_large, load_onnx, serialize, validate
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
-from llmc.compiler.segments import cut_segments, dense_attention_sections, segment_sections
+from llmc.compiler.segments import dense_attention_sections, segment_sections
 from llmc.precision.gate import check_accuracy, general_text_windows
 from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.linears import linear_layers
@@ -128,26 +126,16 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     }
     start, output = time.perf_counter(), Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    # The payload goes through files beside the engine and is streamed into it: a large
-    # model's weights are never all in memory.
-    remove_stale_temporaries(output.parent, ".llmc-")
-    with tempfile.TemporaryDirectory(prefix=f".llmc-{os.getpid()}.", dir=output.parent) as folder:
-        # The weights go to one section that onnxruntime maps from the engine file at load.
-        if has_external_weights(model):
-            payload = write_model_files(model, folder, engine=True)
-            if paged_entry is not None:
-                paged_entry["segments"], payload = cut_segments(payload)
-        else:  # in memory: writing the graph to cut it from a file cost a save and a load
-            weights = move_weights_to_engine_section(model)
-            if paged_entry is not None:
-                paged_entry["segments"], payload = segment_sections(model)
-            else:
-                payload = {"model.onnx": model.SerializeToString()}
-            payload["model.onnx.data"] = weights
-        if paged_entry is not None:
-            payload.update(dense_attention_sections(paged_entry["segments"], interface.geometry,
-                                                    paged_entry["block_size"], paged_entry["kv_dtype"]))
-        write_engine(output, manifest, {**payload, "tokenizer.json": tok.to_json().encode()})
+    # The weights are streamed into the engine from where they are (the source file, this
+    # process's scratch file): never all in memory, never copied to a file in between.
+    weights = engine_weights(model)
+    if paged_entry is not None:
+        paged_entry["segments"], payload = segment_sections(model)
+        payload.update(dense_attention_sections(paged_entry["segments"], interface.geometry,
+                                                paged_entry["block_size"], paged_entry["kv_dtype"]))
+    else:
+        payload = {"model.onnx": model.SerializeToString()}
+    write_engine(output, manifest, {**payload, "model.onnx.data": weights, "tokenizer.json": tok.to_json().encode()})
     if large:
         progress(f"wrote {output.name} ({output.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
     return manifest

@@ -12,7 +12,6 @@ the manifest (formats/manifest.py).
 from __future__ import annotations
 
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -26,20 +25,9 @@ from llmc.plugins.paged_attention import DOMAIN, OP_TYPE
 from llmc.plugins.paged_attention_onnx import register, standalone_model
 
 
-def cut_segments(payload: dict[str, Path]) -> tuple[list[dict], dict[str, bytes | Path]]:
-    """The manifest's segment entries and the engine sections of a paged graph written by
-    `write_model_files`: "segment.K.onnx" per segment that holds nodes, and the weights'
-    "model.onnx.data" that every segment references, unchanged."""
-    model = onnx.load(str(payload["model.onnx"]), load_external_data=False)
-    entries, sections = segment_sections(model)
-    if "model.onnx.data" in payload:
-        sections["model.onnx.data"] = payload["model.onnx.data"]
-    return entries, sections
-
-
 def segment_sections(model: onnx.ModelProto) -> tuple[list[dict], dict[str, bytes]]:
-    """The manifest's segment entries and "segment.K.onnx" sections of a paged graph held in
-    memory, weights inline (no file round trip: a model without external weights)."""
+    """The manifest's segment entries and "segment.K.onnx" sections of a paged graph whose
+    weights are references (`onnx_io.engine_weights`), each segment referencing those it reads."""
     entries, sections = [], {}
     for k, (graph, segment) in enumerate(split_at_paged_attention(model)):
         if graph is not None:

@@ -41,6 +41,8 @@ HEADER = struct.Struct("<8sIQ32s")
 # when the engine is written, so each reference holds a fixed-width placeholder location and a
 # fixed-width offset into the section; `bind_weights` writes the name and absolute offsets over
 # them, same widths, so no protobuf length changes and loading needs no onnx.
+# The folder a graph serialized in memory (`onnx_io.serialize`) names its external data from.
+EXTERNAL_ROOT = os.path.abspath(os.sep)
 WEIGHTS_LOCATION = "llmc-engine-weights".ljust(258, "_")  # longer than any file name (255) + 2
 OFFSET_DIGITS = 20
 _LOCATION_ENTRY = b"\n\x08location\x12\x82\x02" + WEIGHTS_LOCATION.encode()  # StringStringEntryProto
@@ -51,11 +53,13 @@ _CHUNK = 1 << 26
 
 @dataclass(frozen=True)
 class FileRange:
-    """External data that stays on disk: `path` from byte `offset` on (a model's data file, or
-    an engine's data section). onnxruntime reads it itself, holding the weights once."""
+    """External data that stays on disk: `path` from byte `offset` on, `length` bytes or to the
+    end (a model's data file, an engine's data section, a tensor's bytes). onnxruntime reads it
+    itself, holding the weights once."""
 
     path: Path
     offset: int = 0
+    length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -69,17 +73,20 @@ class EngineFile:
     offsets: dict[str, int] = field(default_factory=dict)  # sections' absolute file offsets
 
 
-def write_engine(path: str | os.PathLike, manifest: dict[str, Any],
-                 sections: dict[str, bytes | memoryview | os.PathLike]) -> None:
+Payload = bytes | memoryview | os.PathLike | list[bytes | memoryview | FileRange]
+
+
+def write_engine(path: str | os.PathLike, manifest: dict[str, Any], sections: dict[str, Payload]) -> None:
     """Write an engine file atomically (temporary file, then rename).
 
     Args:
         path: destination file.
         manifest: the fields of `Manifest` but `format_version` and `sections`, which are added;
             checked against the schema before anything is written.
-        sections: named payloads, e.g. the ONNX model and the tokenizer: bytes-like, or the path
-            of a file to stream in (a large model's weights, never held in memory). Offsets and
-            lengths are 64-bit: sections past 2 or 4 GiB are fine.
+        sections: named payloads, e.g. the ONNX model and the tokenizer: bytes-like, the path
+            of a file to stream in, or a list of bytes-like and file ranges to stream in one
+            after another (a model's weights, from wherever they are, never all in memory).
+            Offsets and lengths are 64-bit: sections past 2 or 4 GiB are fine.
     """
     path = Path(path)
     table, offset = [], 0
@@ -105,8 +112,8 @@ def write_engine(path: str | os.PathLike, manifest: dict[str, Any],
                 out.write(b"\0" * (start + entry["offset"] - out.tell()))
                 for chunk in _chunks(data):
                     out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())  # complete on disk before the name says it is an engine
+        # No fsync: it cost 5 s of SmolLM2-135M's compile (137 MB/s to disk here), and a file
+        # cut short by a crash after the rename fails its length or checksum checks on load.
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -142,7 +149,7 @@ def _umask() -> int:
     return mask
 
 
-def _measure(data: bytes | memoryview | os.PathLike) -> tuple[int, str]:
+def _measure(data: Payload) -> tuple[int, str]:
     digest, length = hashlib.sha256(), 0
     for chunk in _chunks(data):
         digest.update(chunk)
@@ -150,14 +157,25 @@ def _measure(data: bytes | memoryview | os.PathLike) -> tuple[int, str]:
     return length, digest.hexdigest()
 
 
-def _chunks(data: bytes | memoryview | os.PathLike):
-    """The payload in pieces: a file is read 64 MiB at a time (through the page cache)."""
-    if not isinstance(data, (str, os.PathLike)):
-        yield data
-        return
-    with open(data, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            yield chunk
+def _chunks(data: Payload):
+    """The payload in pieces: files are read 64 MiB at a time (through the page cache)."""
+    if isinstance(data, (str, os.PathLike)):
+        data = [FileRange(Path(data))]
+    elif not isinstance(data, list):
+        data = [data]
+    for part in data:
+        if not isinstance(part, FileRange):
+            yield part
+            continue
+        with open(part.path, "rb") as f:
+            f.seek(part.offset)
+            left = part.length if part.length is not None else os.fstat(f.fileno()).st_size - part.offset
+            while left > 0:
+                chunk = f.read(min(_CHUNK, left))
+                if not chunk:
+                    raise LlmcError(f"{part.path}: ends before the {part.length} bytes at {part.offset}")
+                left -= len(chunk)
+                yield chunk
 
 
 def bind_weights(graph: bytes | memoryview, data: FileRange) -> bytes | None:

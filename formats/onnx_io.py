@@ -4,21 +4,22 @@ Saving goes through a temporary folder next to the destination and renames into 
 failed or interrupted save never leaves a file that looks good. Models whose tensors exceed the
 2 GB protobuf limit are written with their weights in one external-data file beside them.
 
-Past that limit the in-memory model never holds its weights. Its tensors of 1 KiB or more are
-external-data references whose `location` is an absolute path (the source's .onnx.data file, an
-engine file, or a scratch file of this process); `tensor_array` reads one as a read-only memory
-map. Why: protobuf cannot serialize or even size a message past 2 GB, and the upb runtime keeps
-every byte stored in a message until the whole message is freed (clearing a field frees
-nothing), so moving weights in and out of a ModelProto — to size, check or shape-infer it —
-would grow memory by the weights each time. A pass that makes a big tensor (merged QKV, fp16 or
-int4 weights) stores it inline; `spill_large_tensors` moves it to the scratch file the next time
-the model is inferred, checked or serialized. Small models are held and saved inline, as always.
+A model loaded from a file (`load_onnx`), of any size, never holds its weights. Its tensors of
+1 KiB or more are external-data references whose `location` is an absolute path (the source's
+.onnx.data file, an engine file, or a scratch file of this process); `tensor_array` reads one as a
+read-only memory map. Why: protobuf cannot serialize or even size a message past 2 GB; the upb
+runtime keeps every byte stored in a message until the whole message is freed (clearing a field
+frees nothing), so moving weights in and out of a ModelProto — to size, check or shape-infer it —
+would grow memory by the weights each time; and serializing weights is slow where page faults
+are (measured on these VMs: 654 MB, SmolLM2-135M, 7-10 s a serialization, nearly all in the
+kernel). A pass that makes a big tensor (merged QKV, fp16 or int4 weights) in such a model writes
+it to the scratch file (`make_initializer`), and `spill_large_tensors` moves any left inline there
+the next time the model is inferred, checked or serialized. Models built in memory (tests) stay
+inline until saved.
 """
 
 from __future__ import annotations
 
-import io
-import mmap
 import os
 import shutil
 import tempfile
@@ -30,7 +31,7 @@ from onnx import helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
 from llmc.errors import LlmcError, first_line
-from llmc.formats.engine_file import OFFSET_DIGITS, WEIGHTS_LOCATION, FileRange
+from llmc.formats.engine_file import EXTERNAL_ROOT, OFFSET_DIGITS, WEIGHTS_LOCATION, FileRange
 
 # Protobuf cannot serialize a message of 2 GiB or more; stay clear of it with headroom for the graph.
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -60,20 +61,22 @@ def load_onnx(path: str | os.PathLike, *, load_weights: bool = True) -> onnx.Mod
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several unrelated types on garbage input
         raise LlmcError(f"{path}: not a readable ONNX model ({first_line(exc, 200)})") from None
-    if not load_weights or not any(uses_external_data(t) for t in _get_all_tensors(model)):
+    if not load_weights:
         return model
     try:
-        if is_large(model):
-            _pin_locations(model, path.parent)
-        else:
-            onnx.load_external_data_for_model(model, str(path.parent))
+        _pin_locations(model, path.parent)
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:
         raise LlmcError(f"{path}: cannot read its external data ({first_line(exc, 200)})") from None
-    return model
+    if not _spill(model):
+        return model
+    weightless = onnx.ModelProto()  # a fresh message: the parsed one's memory still holds the weights
+    weightless.ParseFromString(model.SerializeToString())
+    return weightless
 
 
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Write `model` to `path` atomically; weights go to `<name>.data` when the model is large.
+    """Write `model` to `path` atomically; weights go to `<name>.data` when the model is large,
+    else inline.
 
     A large model's references then point into the written data file.
 
@@ -87,13 +90,13 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
     try:
         staged = staging / path.name
-        if _has_external_weights(model):
+        if is_large(model):
             offsets = _write_with_external_data(model, staged, data_name)
             os.replace(staging / data_name, path.parent / data_name)
             # The source data file may just have been replaced: point at what was written.
             _repoint(model, path.parent / data_name, offsets)
         else:
-            onnx.save_model(model, str(staged))
+            onnx.save_model(_with_weights_inline(model), str(staged))
             if (path.parent / data_name).exists():
                 (path.parent / data_name).unlink()  # a stale data file from an earlier, larger save
         os.replace(staged, path)
@@ -127,35 +130,28 @@ def save_ir_model(model, path: str | os.PathLike) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def write_model_files(model: onnx.ModelProto, folder: str | os.PathLike, *, engine: bool = False) -> dict[str, Path]:
-    """Write the model as files into `folder`: {"model.onnx": path}, plus "model.onnx.data" past
-    2 GB, the weights streamed from where they are (no copy of them in memory).
-
-    Args:
-        model: the model.
-        folder: an existing folder.
-        engine: the files are an engine's payload: the weights always go to "model.onnx.data",
-            referenced as `engine_file.bind_weights` expects.
-    """
-    path = Path(folder) / "model.onnx"
-    if not engine and not _has_external_weights(model):
-        onnx.save_model(model, str(path))
-        return {"model.onnx": path}
-    _write_with_external_data(model, path, "model.onnx.data", engine=engine)
-    return {"model.onnx": path, "model.onnx.data": path.with_name("model.onnx.data")}
-
-
-def move_weights_to_engine_section(model: onnx.ModelProto) -> memoryview:
-    """Move the initializers of 1 KiB or more of a model held in memory (under 2 GB) into one
-    buffer, the engine's "model.onnx.data" section, each referenced as `engine_file.bind_weights`
-    expects; returns the buffer. The model's graph then holds no weights."""
-    out = io.BytesIO()
-    for tensor in model.graph.initializer:
-        if tensor.data_type != onnx.TensorProto.STRING and tensor.ByteSize() >= EXTERNAL_MIN_BYTES:
+def engine_weights(model: onnx.ModelProto) -> list[bytes | FileRange]:
+    """Reference the model's tensors of 1 KiB or more as an engine's "model.onnx.data" section
+    (as `engine_file.bind_weights` expects) and return that section's parts: each tensor's bytes
+    where they are (inline, or a range of its external file), aligned; `write_engine` streams
+    them. The model's graph then holds no weights, whatever their size."""
+    parts: list[bytes | FileRange] = []
+    size = 0
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            info = ExternalDataInfo(tensor)
+            length = _external_length(tensor)
+            data: bytes | FileRange = FileRange(Path(info.location), info.offset or 0, length)
+        elif tensor.data_type != onnx.TensorProto.STRING and tensor.ByteSize() >= EXTERNAL_MIN_BYTES:
             data = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
-            offset = _append_aligned(out, data)
-            _set_external(tensor, WEIGHTS_LOCATION, offset, len(data), engine=True)
-    return out.getbuffer()
+            length = len(data)
+        else:
+            continue
+        offset = -(-size // _ALIGN) * _ALIGN
+        parts += [bytes(offset - size), data]
+        size = offset + length
+        _set_external(tensor, WEIGHTS_LOCATION, offset, length, engine=True)
+    return parts
 
 
 def model_bytes(model: onnx.ModelProto) -> int:
@@ -217,14 +213,14 @@ def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
 
 
 def make_initializer(value: np.ndarray, name: str, *, external: bool) -> onnx.TensorProto:
-    """`numpy_helper.from_array`, except that with `external` (a pass working on a model past
-    2 GB) a tensor of `EXTERNAL_MIN_BYTES` or more is written straight to the scratch data file:
+    """`numpy_helper.from_array`, except that with `external` (a pass working on a model loaded
+    from a file) a tensor of `EXTERNAL_MIN_BYTES` or more is written straight to the scratch data file:
     a merged or converted weight then never enters (and stays in) the model's protobuf memory.
 
     Args:
         value: the tensor's value.
         name: its name.
-        external: whether the model it is for is large (`is_large`).
+        external: whether the model it is for keeps its weights external (`has_external_weights`).
     """
     value = np.asarray(value)
     if not external or value.nbytes < EXTERNAL_MIN_BYTES or value.dtype.kind not in "biuf":
@@ -240,19 +236,23 @@ def make_initializer(value: np.ndarray, name: str, *, external: bool) -> onnx.Te
 
 
 def spill_large_tensors(model: onnx.ModelProto) -> int:
-    """Move a large model's inline tensors of `EXTERNAL_MIN_BYTES` or more to this process's
-    scratch data file (see the module docstring); returns the bytes moved.
+    """Move the inline tensors of `EXTERNAL_MIN_BYTES` or more of a model that keeps its weights
+    external (loaded from a file, or large) to this process's scratch data file (see the module
+    docstring); returns the bytes moved.
 
     Args:
         model: the model, changed in place (its values are not).
     """
-    if not is_large(model):
-        return 0
+    return _spill(model) if _has_external_weights(model) else 0
+
+
+def _spill(model: onnx.ModelProto) -> int:
     moved = 0
     scratch = _scratch_file()
     with open(scratch, "ab") as out:
         for tensor in _get_all_tensors(model):
-            if (uses_external_data(tensor) or tensor.data_type == onnx.TensorProto.STRING
+            # Integer tensors stay: shape inference reads their values (shapes, indices).
+            if (uses_external_data(tensor) or tensor.data_type in (onnx.TensorProto.STRING, *_SHAPE_DATA_TYPES)
                     or tensor.ByteSize() < EXTERNAL_MIN_BYTES):
                 continue
             data = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
@@ -399,27 +399,19 @@ def check_model(model: onnx.ModelProto) -> None:
         onnx.checker.check_model(str(Path(folder) / "model.onnx"))
 
 
-def serialize(model: onnx.ModelProto) -> dict[str, bytes | memoryview | FileRange]:
-    """The model as files: {"model.onnx": ...}, plus "model.onnx.data" when past 2 GB.
-
-    The data is never bytes in memory: the model's own data file as a `FileRange` when all its
-    weights are in one, else a read-only memory map of a temporary copy.
-    """
+def serialize(model: onnx.ModelProto) -> dict[str, bytes]:
+    """The model as {"model.onnx": bytes} for `sessions.open_session`: its external weights
+    (a loaded model's, any size) referenced where they are, by their paths relative to the root
+    folder `open_session` gives onnxruntime — no copy, from any number of files."""
     if not _has_external_weights(model):
         return {"model.onnx": model.SerializeToString()}
     spill_large_tensors(model)
-    sources = {ExternalDataInfo(t).location for t in _get_all_tensors(model) if uses_external_data(t)}
-    if len(sources) == 1:  # reference that file as it is: no copy
-        graph = onnx.ModelProto()
-        graph.CopyFrom(model)
-        for tensor in _get_all_tensors(graph):
-            if uses_external_data(tensor):
-                _set_location(tensor, "model.onnx.data")
-        return {"model.onnx": graph.SerializeToString(), "model.onnx.data": FileRange(Path(sources.pop()))}
-    with tempfile.TemporaryDirectory(prefix="llmc-") as folder:
-        files = write_model_files(model, folder)
-        return {"model.onnx": files["model.onnx"].read_bytes(),
-                "model.onnx.data": _map_file(files["model.onnx.data"])}  # mapped before the folder goes
+    graph = onnx.ModelProto()
+    graph.CopyFrom(model)  # cheap: the weights are references
+    for tensor in _get_all_tensors(graph):
+        if uses_external_data(tensor):
+            _set_location(tensor, os.path.relpath(ExternalDataInfo(tensor).location, EXTERNAL_ROOT))
+    return {"model.onnx": graph.SerializeToString()}
 
 
 def point_to_file(graph: bytes, data: FileRange) -> bytes:
@@ -498,10 +490,9 @@ def _pin_locations(model: onnx.ModelProto, folder: Path) -> None:
         _set_external(tensor, str(source), info.offset or 0, _external_length(tensor))
 
 
-def _write_with_external_data(model: onnx.ModelProto, path: Path, data_name: str, *, engine: bool = False) -> list[int]:
+def _write_with_external_data(model: onnx.ModelProto, path: Path, data_name: str) -> list[int]:
     """Write the graph to `path` and every tensor of 1 KiB or more to `data_name` beside it,
-    streaming from the tensors' current files; returns the new offsets, in `_get_all_tensors` order.
-    With `engine`, the references are an engine's (see `write_model_files`)."""
+    streaming from the tensors' current files; returns the new offsets, in `_get_all_tensors` order."""
     spill_large_tensors(model)
     graph = onnx.ModelProto()
     graph.CopyFrom(model)  # cheap after spilling: the weights are references
@@ -519,7 +510,7 @@ def _write_with_external_data(model: onnx.ModelProto, path: Path, data_name: str
             else:
                 offsets.append(None)
                 continue
-            _set_external(tensor, WEIGHTS_LOCATION if engine else data_name, offset, length, engine=engine)
+            _set_external(tensor, data_name, offset, length)
             offsets.append(offset)
     onnx.save_model(graph, str(path))
     return offsets
@@ -550,6 +541,19 @@ def _set_location(tensor: onnx.TensorProto, location: str) -> None:
     for entry in tensor.external_data:
         if entry.key == "location":
             entry.value = location
+
+
+def _with_weights_inline(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy holding its external tensors' bytes (a model under 2 GB is saved as one file)."""
+    if not _has_external_weights(model):
+        return model
+    inline = onnx.ModelProto()
+    inline.CopyFrom(model)
+    for tensor in _get_all_tensors(inline):
+        if uses_external_data(tensor):
+            info = ExternalDataInfo(tensor)
+            _set_inline(tensor, _read_range(info.location, info.offset or 0, _external_length(tensor)))
+    return inline
 
 
 def _set_inline(tensor: onnx.TensorProto, data: bytes) -> None:
@@ -590,11 +594,6 @@ def _read_range(source: str, offset: int, length: int) -> bytes:
     if len(data) != length:
         raise LlmcError(f"{source}: external data ends before the {length} bytes a tensor needs")
     return data
-
-
-def _map_file(path: str | os.PathLike) -> memoryview:
-    with open(path, "rb") as f:
-        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
 
 _scratch_dir: tempfile.TemporaryDirectory | None = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import onnxruntime as ort
 
 from llmc.errors import LlmcError
-from llmc.formats.engine_file import FileRange, bind_weights
+from llmc.formats.engine_file import EXTERNAL_ROOT, FileRange, bind_weights
 
 _shared_threads: int | None = None  # the process-wide pool's size once `share_threads` made it
 
@@ -58,33 +58,28 @@ def session_options(threads: int | None = None, *, optimize: bool = True, alone:
 
 
 def open_session(files: dict, options: ort.SessionOptions) -> ort.InferenceSession:
-    """A CPU session over a serialized model, external data included, without copying it to disk.
+    """A CPU session over a serialized model, its external data read where it is (onnxruntime maps
+    it; nothing is copied to disk).
 
     Args:
-        files: "model.onnx" bytes, plus "model.onnx.data" for models past 2 GB: a `FileRange`
-            (onnxruntime reads the file itself and holds the weights once) or bytes-like
-            (handed over as an in-memory file; onnxruntime copies it, so resident memory holds
-            both until the caller drops it).
-        options: session options. onnxruntime keeps the in-memory file (or the data folder) in
-            them: sessions sharing `options` must share the data (as a paged engine's segments do).
+        files: "model.onnx" bytes: an engine's graph, with "model.onnx.data" the `FileRange` of
+            the engine's weights section; or a graph from `onnx_io.serialize`, alone, whose
+            external references are relative to `EXTERNAL_ROOT`.
+        options: session options. onnxruntime keeps the data folder in them: sessions sharing
+            `options` must share it (as a paged engine's segments do).
     """
     graph, data = files["model.onnx"], files.get("model.onnx.data")
+    folder = EXTERNAL_ROOT
     if isinstance(data, FileRange):
         bound = bind_weights(graph, data)
-        if bound is None:  # an engine written before WEIGHTS_LOCATION, or a model file's own data
+        if bound is None:  # an engine written before WEIGHTS_LOCATION
             from llmc.formats.onnx_io import point_to_file  # imports onnx
 
             bound = point_to_file(graph, data)
-        graph = bound
-        key, folder = "session.model_external_initializers_file_folder_path", str(data.path.resolve().parent)
-        if _config_entry(options, key) != folder:
-            options.add_session_config_entry(key, folder)
-    elif data is not None:
-        try:
-            options.add_external_initializers_from_files_in_memory(["model.onnx.data"], [data], [len(data)])
-        except RuntimeError as exc:
-            if "already been added" not in str(exc):
-                raise
+        graph, folder = bound, str(data.path.resolve().parent)
+    key = "session.model_external_initializers_file_folder_path"
+    if _config_entry(options, key) != folder:
+        options.add_session_config_entry(key, folder)
     return ort.InferenceSession(bytes(graph), options, providers=["CPUExecutionProvider"])
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from llmc.formats.onnx_io import is_large, make_initializer, tensor_array
+from llmc.formats.onnx_io import has_external_weights, make_initializer, tensor_array
 
 # Ops whose outputs differ from run to run: never folded or merged. Dropout is random when its
 # training_mode input is set.
@@ -46,7 +46,7 @@ class Graph:
         self.model = model
         self.graph = model.graph
         self._names = itertools.count()
-        self.large = is_large(model)  # new big tensors then go to external data (onnx_io)
+        self.external = has_external_weights(model)  # new big tensors then go to external data (onnx_io)
         self.reindex()
 
     def reindex(self) -> None:
@@ -137,7 +137,7 @@ class Graph:
 
     def initializer(self, prefix: str, value: np.ndarray) -> onnx.TensorProto:
         """A new initializer proto holding `value` (add it through a Rewrite)."""
-        return make_initializer(value, self.fresh(prefix), external=self.large)
+        return make_initializer(value, self.fresh(prefix), external=self.external)
 
     def node(self, op_type: str, inputs: list[str], outputs: list[str] | int = 1, *,
              domain: str = "", **attrs) -> onnx.NodeProto:

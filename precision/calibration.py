@@ -22,8 +22,8 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from llmc.formats.onnx_io import serialize
-from llmc.formats.sessions import session_options
+from llmc.formats.onnx_io import is_large, serialize
+from llmc.formats.sessions import open_session, session_options
 from llmc.errors import LlmcError
 
 CALIBRATORS = ("minmax", "percentile", "entropy")
@@ -73,10 +73,9 @@ def observe(model: onnx.ModelProto, windows: list[np.ndarray], names: list[str],
     probe.CopyFrom(model)
     probe.graph.output.extend(helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in names)
     options = session_options(optimize=False, alone=True)  # keep every name
-    files = serialize(probe)
-    if "model.onnx.data" in files:
+    if is_large(probe):
         raise LlmcError("--int8-calib: models past 2 GB are not calibrated yet")
-    session = ort.InferenceSession(files["model.onnx"], options, providers=["CPUExecutionProvider"])
+    session = open_session(serialize(probe), options)
     stats = {n: TensorStats() for n in names}
     progress(f"calibration: ranges over {len(windows)} windows")
     rng = np.random.default_rng(0)

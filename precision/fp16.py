@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from llmc.formats.onnx_io import infer_shapes, is_large, make_initializer, tensor_array
+from llmc.formats.onnx_io import has_external_weights, infer_shapes, make_initializer, tensor_array
 from llmc.passes.graph import Graph
 
 ISLANDS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
@@ -54,7 +54,7 @@ def convert_to_fp16(model: onnx.ModelProto, keep_fp32_ops: set[str] = frozenset(
     elem = {v.name: v.type.tensor_type.elem_type for v in [*typed.graph.input, *typed.graph.value_info,
                                                            *typed.graph.output]}
     initializers = {t.name: t for t in model.graph.initializer}
-    large = is_large(model)
+    external = has_external_weights(model)
     for name, t in initializers.items():
         elem[name] = t.data_type
     dequantized = {n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"}
@@ -75,7 +75,7 @@ def convert_to_fp16(model: onnx.ModelProto, keep_fp32_ops: set[str] = frozenset(
         if t.data_type == TensorProto.FLOAT and readers.get(name) and all(id(r) in half_ids for r in readers[name]):
             # Saturate: fill values such as float32's lowest (attention masks) become fp16's lowest.
             values = np.clip(tensor_array(t), -65504.0, 65504.0).astype(np.float16)
-            t.CopyFrom(make_initializer(values, name, external=large))  # past 2 GB: to external data
+            t.CopyFrom(make_initializer(values, name, external=external))  # a loaded model's: to external data
             stored_half.add(name)
 
     casts, renamed = [], {}

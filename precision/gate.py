@@ -28,7 +28,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from llmc.formats.onnx_io import serialize
-from llmc.formats.sessions import session_options
+from llmc.formats.sessions import open_session, session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import log_softmax, position_metrics
@@ -184,5 +184,4 @@ def _overflow_hint(reference: bytes, window: np.ndarray, half: frozenset[str]) -
 
 def _session(model_bytes: bytes, *, optimized: bool) -> ort.InferenceSession:
     # Unoptimized keeps every value name, as the reference of `llmc check` does.
-    options = session_options(optimize=optimized, alone=True)
-    return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+    return open_session({"model.onnx": model_bytes}, session_options(optimize=optimized, alone=True))

@@ -24,10 +24,9 @@ from typing import Callable
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 
 from llmc.formats.onnx_io import serialize
-from llmc.formats.sessions import session_options
+from llmc.formats.sessions import open_session, session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.check import kl_divergence, log_softmax
@@ -57,7 +56,7 @@ class _Evaluator:
 
     def log_probs(self, model: onnx.ModelProto) -> list[np.ndarray]:
         options = session_options(alone=True)
-        session = ort.InferenceSession(serialize(model)["model.onnx"], options, providers=["CPUExecutionProvider"])
+        session = open_session(serialize(model), options)
         out = []
         for w in self.windows:
             out.append(log_softmax(session.run(["logits"], prefill_feeds(session, w))[0][0, :-1]))

@@ -40,7 +40,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from llmc.formats.onnx_io import is_large, make_initializer, tensor_array
+from llmc.formats.onnx_io import has_external_weights, make_initializer, tensor_array
 from llmc.errors import LlmcError
 from llmc.passes import contrib_ops
 from llmc.passes.graph import DEFAULT_DOMAINS
@@ -165,7 +165,7 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
     if activations and bits == 4:
         scale_inputs(model, [node for node, _ in _targets(model, select)], activations,
                      lambda w: fake_quantize(w, bits, block_size, symmetric))
-    large = is_large(model)
+    external = has_external_weights(model)
     readers: dict[str, int] = {}
     for node in model.graph.node:
         for name in node.input:
@@ -176,7 +176,7 @@ def quantize_weights(model: onnx.ModelProto, bits: int, block_size: int = DEFAUL
         k, n = array.shape
         codes, scales, zeros = quantize_blocks(array, bits, block_size, symmetric)
         prefix = f"{node.name or node.output[0]}.int{bits}"
-        added += [make_initializer(pack(codes, bits), f"{prefix}.B", external=large),  # past 2 GB: external
+        added += [make_initializer(pack(codes, bits), f"{prefix}.B", external=external),  # a loaded model's: external
                   numpy_helper.from_array(scales.reshape(-1), f"{prefix}.scales")]
         inputs = [node.input[0], f"{prefix}.B", f"{prefix}.scales"]
         if not symmetric:

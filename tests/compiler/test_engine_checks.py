@@ -10,6 +10,7 @@ from llmc import LLM, SamplingParams
 from llmc.compiler.build import compile_model
 from llmc.compiler.compare import seeded_feeds
 from llmc.formats.engine_file import read_manifest
+from llmc.formats.onnx_io import tensor_array
 from llmc.compiler.pipeline import PIPELINES, optimize, structural_problem
 from llmc.errors import LlmcError
 from llmc.passes.base import Pass, PassResult
@@ -53,7 +54,7 @@ class ScalesWeights(Pass):
 
     def run(self, model):
         for tensor in model.graph.initializer:
-            value = onnx.numpy_helper.to_array(tensor)
+            value = tensor_array(tensor)  # a loaded model's weights are external references
             if value.dtype == np.float32 and value.ndim == 2:
                 tensor.CopyFrom(onnx.numpy_helper.from_array(value * 1.5, tensor.name))
         return PassResult(model, 1)

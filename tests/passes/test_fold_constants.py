@@ -8,6 +8,7 @@ from pass_testing import export_module, op_counts, run_pass
 
 from llmc.compiler.pipeline import refresh_shapes
 from llmc.passes.fold_constants import FoldConstants
+from llmc.formats.onnx_io import tensor_array
 
 F = TensorProto.FLOAT
 
@@ -26,7 +27,7 @@ def _fold(model: onnx.ModelProto):
 
 
 def _initializer(model: onnx.ModelProto, name: str) -> np.ndarray:
-    return next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name)
+    return next(tensor_array(t) for t in model.graph.initializer if t.name == name)
 
 
 def test_constant_chain_folds_into_one_initializer():

@@ -6,6 +6,7 @@ from onnx import TensorProto, helper, numpy_helper
 from pass_testing import op_counts, run_pass
 
 from llmc.passes.merge_sibling_matmuls import MergeSiblingMatMuls
+from llmc.formats.onnx_io import tensor_array
 
 RNG = np.random.default_rng(0)
 
@@ -35,7 +36,7 @@ def test_qkv_with_biases_becomes_one_matmul_add_split():
     assert op_counts(result.model) == {"MatMul": 1, "Add": 1, "Split": 1}
     split = next(n for n in result.model.graph.node if n.op_type == "Split")
     assert list(split.output) == ["y0", "y1", "y2"]
-    sizes = {t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer}[split.input[1]]
+    sizes = {t.name: tensor_array(t) for t in result.model.graph.initializer}[split.input[1]]
     assert sizes.tolist() == [8, 4, 4]
 
 

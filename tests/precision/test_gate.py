@@ -16,6 +16,7 @@ from llmc.llm import LLM
 from llmc.precision.check import ReferenceModel, check
 from llmc.precision.data import read_documents, windows
 from llmc.precision.gate import HOLD_BACK
+from llmc.formats.onnx_io import tensor_array
 
 CALIB = Path(__file__).resolve().parents[2] / "data" / "pystdlib-text" / "calib"
 
@@ -32,14 +33,14 @@ def _outlier_model(trained_onnx, path, factor=300.0):
     model = onnx.load(trained_onnx)
     weights = {t.name: t for t in model.graph.initializer}
     norm = next(n for n in model.graph.node if n.op_type == "Mul" and "layers.0.input_layernorm.weight" in n.input[0])
-    gamma = numpy_helper.to_array(weights[norm.input[0]]).copy()
+    gamma = tensor_array(weights[norm.input[0]]).copy()
     gamma[5] *= factor
     model.graph.initializer.append(numpy_helper.from_array(gamma, "outlier_gamma"))
     norm.input[0] = "outlier_gamma"
     projections = [n for n in model.graph.node if n.op_type == "MatMul" and n.input[0] == norm.output[0]]
     assert len(projections) == 3  # q, k, v
     for node in projections:
-        w = numpy_helper.to_array(weights[node.input[1]]).copy()
+        w = tensor_array(weights[node.input[1]]).copy()
         w[5] /= factor
         weights[node.input[1]].CopyFrom(numpy_helper.from_array(w, node.input[1]))
     onnx.save(model, path)
@@ -84,7 +85,7 @@ def test_smoothing_brings_the_same_model_within_the_limit(trained_onnx, tmp_path
 def test_fp16_overflow_is_named(trained_onnx, tmp_path):
     model = onnx.load(trained_onnx)
     down = next(t for t in model.graph.initializer if list(t.dims) == [704, 256])  # layer 0's MLP output (hidden 256)
-    down.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(down) * 1e5, down.name))  # layer 0's MLP output
+    down.CopyFrom(numpy_helper.from_array(tensor_array(down) * 1e5, down.name))  # layer 0's MLP output
     source = tmp_path / "overflow.onnx"
     onnx.save(model, source)
     engine = tmp_path / "fp16.plan"

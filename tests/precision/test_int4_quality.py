@@ -12,6 +12,7 @@ from llmc.precision import awq
 from llmc.precision.calibration import observe
 from llmc.precision.linears import linear_layers
 from llmc.precision.weight_only import dequantize_blocks, fake_quantize, quantize_blocks, quantize_weights
+from llmc.formats.onnx_io import tensor_array
 from precision_graphs import logits, matmul_model
 
 RNG = np.random.default_rng(0)
@@ -71,7 +72,7 @@ def test_onnxruntime_reads_asymmetric_weights_as_numpy_does(k):
     node = model.graph.node[0]
     assert node.op_type == "MatMulNBits" and len(node.input) == 4
     # Unpack B and zero_points from the initializers by the contrib op's documented layout.
-    arrays = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    arrays = {t.name: tensor_array(t) for t in model.graph.initializer}
     packed, scales, zeros = arrays[node.input[1]], arrays[node.input[2]], arrays[node.input[3]]
     blocks = -(-k // 32)
     codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(40, blocks * 32).astype(np.float32)
@@ -95,12 +96,12 @@ def _with_outlier_channels(level2, factor=100.0):
         for name in node.input:
             readers.setdefault(name, []).append(node)
     for norm in [n for n in model.graph.node if n.op_type == "RMSNormalization"]:
-        gamma = numpy_helper.to_array(weights[norm.input[1]]).copy()
+        gamma = tensor_array(weights[norm.input[1]]).copy()
         gamma[[3, 5]] *= factor
         norm.input[1] = f"{norm.output[0]}.outlier_gamma"
         model.graph.initializer.append(numpy_helper.from_array(gamma, norm.input[1]))
         for matmul in readers[norm.output[0]]:
-            w = numpy_helper.to_array(weights[matmul.input[1]]).copy()
+            w = tensor_array(weights[matmul.input[1]]).copy()
             w[[3, 5]] /= factor
             weights[matmul.input[1]].CopyFrom(numpy_helper.from_array(w, matmul.input[1]))
     return model
@@ -128,7 +129,7 @@ def test_scaling_keeps_the_float_function(level2, monkeypatch):
 def test_each_chosen_scale_is_no_worse_than_none_on_its_rows(level2):
     model = _with_outlier_channels(level2)
     stats = _stats(model, [RNG.integers(3, 258, 64) for _ in range(2)])
-    original = {t.name: numpy_helper.to_array(t).copy() for t in model.graph.initializer}
+    original = {t.name: tensor_array(t).copy() for t in model.graph.initializer}
     groups = {}
     for l in linear_layers(model):
         groups.setdefault(l.node.input[0], []).append(original[l.weight])

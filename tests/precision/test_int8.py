@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from llmc.formats.onnx_io import serialize
+from llmc.formats.onnx_io import serialize, tensor_array
 from llmc.errors import LlmcError
 from llmc.precision.calibration import BINS, TensorStats, check_calibrator, entropy_bins, observe, prefill_feeds, threshold
 from llmc.precision.int8 import activation_groups, choose_smoothing, output_error, quantize_int8, write_qdq
@@ -50,7 +50,7 @@ def test_qdq_placement(level2):
     groups = quantize_int8(model, linears, windows, "minmax")
     onnx.checker.check_model(model)
     producer = {o: n for n in model.graph.node for o in n.output}
-    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    inits = {t.name: tensor_array(t) for t in model.graph.initializer}
     per_token = {l.name for g in groups if g.per_token for l in g.layers}
     assert per_token == {l.name for l in linears if l.name.endswith("mlp.down")} != set()
     thresholds = {g.input: g.threshold for g in groups}
@@ -108,13 +108,13 @@ def _with_outlier_channel(level2, factor=64.0):
         norm = producer[group.input]
         if norm.op_type != "RMSNormalization":
             continue
-        gamma = numpy_helper.to_array(weights[norm.input[1]]).copy()
+        gamma = tensor_array(weights[norm.input[1]]).copy()
         gamma[5] *= factor
         own = f"{group.input}.outlier_gamma"
         model.graph.initializer.append(numpy_helper.from_array(gamma, own))
         norm.input[1] = own
         for layer in group.layers:
-            w = numpy_helper.to_array(weights[layer.weight]).copy()
+            w = tensor_array(weights[layer.weight]).copy()
             w[5] /= factor
             weights[layer.weight].CopyFrom(numpy_helper.from_array(w, layer.weight))
     return model
@@ -143,7 +143,7 @@ def test_smoothquant_never_adds_error_and_helps_outliers(level2):
         errors[label] = float(np.abs(logits(trial, ids) - exact).mean())
         if alpha is None:  # each activation's chosen strength is no worse than none, on its own rows
             stats = observe(model, windows, [g.input for g in groups], histograms=False, sample_rows=512)
-            weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+            weights = {t.name: tensor_array(t) for t in model.graph.initializer}
             for g in groups:
                 rows, x_max = stats[g.input].sample, stats[g.input].channel_absmax
                 unsmoothed = output_error(rows, [weights[l.weight] for l in g.layers], np.ones_like(x_max),
