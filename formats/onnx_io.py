@@ -20,6 +20,7 @@ inline until saved.
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import tempfile
@@ -67,11 +68,73 @@ def load_onnx(path: str | os.PathLike, *, load_weights: bool = True) -> onnx.Mod
         _pin_locations(model, path.parent)
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:
         raise LlmcError(f"{path}: cannot read its external data ({first_line(exc, 200)})") from None
-    if not _spill(model):
+    referenced = _reference_raw_data(model, path)
+    if not (_spill(model) or referenced):
         return model
     weightless = onnx.ModelProto()  # a fresh message: the parsed one's memory still holds the weights
     weightless.ParseFromString(model.SerializeToString())
     return weightless
+
+
+def _reference_raw_data(model: onnx.ModelProto, path: Path) -> int:
+    """Make the main graph's inline initializers of `EXTERNAL_MIN_BYTES` or more external
+    references to their bytes in the file itself (where the protobuf encoding put them): no copy
+    to the scratch file (SmolLM2-135M: 540 MB, 2.9 s of writing here). Returns how many."""
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+    ranges = {}
+    for field, start, end in _fields(data, 0, len(data)):
+        if field != 7:  # ModelProto.graph
+            continue
+        for field, begin, stop in _fields(data, start, end):
+            if field != 5:  # GraphProto.initializer
+                continue
+            name, raw = None, None
+            for field, first, last in _fields(data, begin, stop):
+                if field == 8:  # TensorProto.name
+                    name = bytes(data[first:last]).decode()
+                elif field == 9:  # TensorProto.raw_data
+                    raw = (first, last - first)
+            if name is not None and raw is not None and raw[1] >= EXTERNAL_MIN_BYTES:
+                ranges[name] = raw
+    location, referenced = str(path.resolve()), 0
+    for tensor in model.graph.initializer:
+        if tensor.name in ranges and tensor.HasField("raw_data") and len(tensor.raw_data) == ranges[tensor.name][1]:
+            _set_external(tensor, location, *ranges[tensor.name])
+            referenced += 1
+    return referenced
+
+
+def _fields(data, start: int, end: int):
+    """(field number, first byte, end) of each length-delimited field of the protobuf message
+    encoded in data[start:end]; the other wire types are skipped."""
+    at = start
+    while at < end:
+        key, at = _varint(data, at)
+        kind = key & 7
+        if kind == 0:
+            _, at = _varint(data, at)
+        elif kind == 1:
+            at += 8
+        elif kind == 5:
+            at += 4
+        elif kind == 2:
+            length, at = _varint(data, at)
+            yield key >> 3, at, at + length
+            at += length
+        else:
+            raise ValueError(f"protobuf wire type {kind} at byte {at}")
+
+
+def _varint(data, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
 
 
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:

@@ -63,3 +63,31 @@ def test_checker_still_rejects_a_broken_large_graph(tmp_path, large):
     with pytest.raises(Exception, match="NoSuchOp"):
         onnx_io.check_model(model)
 
+
+
+def test_a_loaded_model_references_its_weights_in_its_own_file(tmp_path):
+    # load_onnx never holds weights in protobuf: an inline initializer becomes a reference to its
+    # bytes inside the .onnx file itself (found by walking the encoding), not a copy.
+    import onnxruntime as ort
+
+    from llmc.formats.sessions import open_session, session_options
+
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((64, 32)).astype(np.float32)
+    model = _matmul_model(weights)
+    model.graph.initializer.append(numpy_helper.from_array(np.arange(3, dtype=np.float32), "small"))
+    onnx.save_model(model, tmp_path / "m.onnx")
+
+    loaded = onnx_io.load_onnx(tmp_path / "m.onnx")
+    big, small = loaded.graph.initializer
+    assert big.data_location == TensorProto.EXTERNAL and not big.raw_data
+    location = {e.key: e.value for e in big.external_data}["location"]
+    assert location == str((tmp_path / "m.onnx").resolve())
+    np.testing.assert_array_equal(onnx_io.tensor_array(big), weights)
+    assert small.data_location != TensorProto.EXTERNAL  # under 1 KiB: stays inline
+    assert loaded.ByteSize() < weights.nbytes
+
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    session = open_session(onnx_io.serialize(loaded), session_options(1))
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0])
