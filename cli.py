@@ -160,7 +160,8 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @main.command(name="compile")
 @click.argument("onnx_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Engine file to write.")
-@click.option("--backend", default="onnxruntime", show_default=True, help="Runtime the engine targets.")
+@click.option("--backend", default="onnxruntime", show_default=True,
+              help="Runtime the engine targets: onnxruntime (CPU) or tensorrt (NVIDIA GPU).")
 @click.option("--tokenizer", type=click.Path(), help="tokenizer.json or its folder (default: embedded or beside the ONNX file).")
 @_pipeline_options
 @click.option("--paged/--no-paged", default=True, show_default=True,
@@ -190,15 +191,32 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--max-ppl-increase", default=3.0, show_default=True, type=float,
               help="Refuse a quantized engine whose perplexity on held-back data rises more (percent).")
 @click.option("--force", is_flag=True, help="Write the engine even past --max-ppl-increase, or without data to check it.")
+@click.option("--dry-run", is_flag=True, help="TensorRT: check every node against TensorRT 11's ONNX parser and "
+              "print what would be built; build nothing (needs no GPU). Exit 2 names each unsupported node.")
+@click.option("--max-num-tokens", default=2048, show_default=True, type=int,
+              help="TensorRT: packed tokens in one step (the profile's largest).")
+@click.option("--builder-optimization-level", default=3, show_default=True, type=int, help="TensorRT: 0-5.")
+@click.option("--timing-cache", type=click.Path(dir_okay=False), help="TensorRT: timing cache file, read and updated.")
+@click.option("--workspace-mb", type=float, default=None, help="TensorRT: builder workspace limit (default: the GPU's memory).")
+@click.option("--hardware-compatible", is_flag=True, help="TensorRT: an engine for any Ampere-or-newer GPU.")
+@click.option("--version-compatible", is_flag=True, help="TensorRT: an engine later TensorRT 11 releases can run.")
 def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, block_size,
                     max_batch, max_seq_len, kv_pool_mb, kv_cache_dtype, fp16, int8_calib, calibrator, smoothquant,
                     int8_dynamic, calib_tokens, weights, weights_block_size, precision_config, calib, max_ppl_increase,
-                    force):
+                    force, dry_run, max_num_tokens, builder_optimization_level, timing_cache, workspace_mb,
+                    hardware_compatible, version_compatible):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
     from llmc.compiler.paged_engine import KV_DTYPES, PagedOptions
+    from llmc.compiler.tensorrt_network import TensorRTOptions
     from llmc.precision.plan import PrecisionOptions
 
+    if backend != "tensorrt" and dry_run:
+        raise LlmcError("--dry-run: only for --backend tensorrt (an onnxruntime build is its own check)")
+    tensorrt = TensorRTOptions(max_num_tokens=max_num_tokens, optimization_level=builder_optimization_level,
+                               timing_cache=timing_cache, workspace_mb=workspace_mb,
+                               hardware_compatible=hardware_compatible, version_compatible=version_compatible,
+                               dry_run=dry_run)
     options = None
     if paged:
         if kv_cache_dtype not in KV_DTYPES:
@@ -211,7 +229,10 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
                              precision=PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens,
                                                         weights, weights_block_size, precision_config, int8_dynamic,
                                                         calib, max_ppl_increase, force),
-                             progress=_progress)
+                             tensorrt=tensorrt, progress=_progress)
+    if dry_run:
+        _report_dry_run(manifest)
+        return
     steps = manifest["optimization"]
     if steps:
         fused = ", ".join(f"{e['pass']} {e['matches']}" for e in steps
@@ -220,6 +241,26 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
     g = manifest["geometry"]
     click.echo(f"wrote {output}: {manifest['backend']}, {manifest['dtype']}, {g['num_layers']} layers, "
                f"vocab {g['vocab_size']}, {g['max_positions']} positions")
+
+
+def _report_dry_run(manifest: dict) -> None:
+    """What a TensorRT build would parse; exit 2 naming every node it could not."""
+    check, g = manifest["tensorrt_check"], manifest["geometry"]
+    plugins = ", ".join(f"{plugin} ×{count}" for plugin, count in check["plugins"].items()) or "none"
+    click.echo(f"tensorrt dry run: {check['nodes']} nodes ({len(check['ops'])} op types), plugins {plugins}; "
+               f"{manifest['dtype']}, {g['num_layers']} layers, vocab {g['vocab_size']}")
+    ranges: dict[str, list[str]] = {}  # inputs with the same range on one line (a pool per layer and part)
+    for name, (low, opt, high) in check["profile"].items():
+        if low != high:
+            ranges.setdefault(f"min {low} opt {opt} max {high}", []).append(name)
+    for shapes, names in ranges.items():
+        click.echo(f"  profile {', '.join(names) if len(names) <= 2 else f'{names[0]} … {names[-1]} ({len(names)})'}: {shapes}")
+    if check["unsupported"]:
+        for line in check["unsupported"]:
+            click.echo(f"  unsupported: {line}", err=True)
+        click.echo(f"llmc: error: {len(check['unsupported'])} node(s) TensorRT 11 cannot build (listed above)", err=True)
+        sys.exit(2)
+    click.echo("ok: every node is one TensorRT 11's ONNX parser imports or an llmc plugin (nothing built)")
 
 
 @main.command()

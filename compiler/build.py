@@ -7,6 +7,7 @@ written atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -23,14 +24,16 @@ from llmc.formats.onnx_io import engine_weights, is_large, load_onnx, serialize,
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
 from llmc.compiler.segments import dense_attention_sections, segment_sections
 from llmc.precision.gate import check_accuracy, general_text_windows
+from llmc.precision.dequantize_linear import matmulnbits_as_dequantize
 from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.linears import linear_layers
 from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, refresh_shapes, resolve
+from llmc.compiler.tensorrt_network import TensorRTOptions, check_network, map_plugin_nodes, optimization_profile
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
 
-BACKENDS = ("onnxruntime",)
+BACKENDS = ("onnxruntime", "tensorrt")
 TOKENIZER_METADATA_KEY = "llmc.tokenizer"
 
 
@@ -40,6 +43,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
                   level: str | int | None = None, passes: Iterable[str] | None = None,
                   verify: bool = False, paged: PagedOptions | None = PagedOptions(),
                   precision: PrecisionOptions = PrecisionOptions(),
+                  tensorrt: TensorRTOptions = TensorRTOptions(),
                   progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Compile a decoder-with-past ONNX file into an engine file; returns the engine's manifest.
 
@@ -56,10 +60,14 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
             sliding window) falls back to contiguous, with the reason in the manifest.
         precision: fp16, int8 (calibrated Q/DQ), weight-only int8/int4 and mixed precision
             (precision/plan.py); the default keeps the exported precision.
+        tensorrt: the TensorRT build's options (backend "tensorrt"); with `dry_run` nothing is
+            written and the returned manifest holds the check ("tensorrt_check") and profile.
     """
     onnx_path = Path(onnx_path)
     if backend not in BACKENDS:
         raise LlmcError(f"--backend: unknown backend '{backend}' (choose from {', '.join(BACKENDS)})")
+    if backend == "tensorrt" and paged is None:
+        raise LlmcError("--no-paged: TensorRT engines are paged (the llmc::paged_attention plugin); drop --no-paged")
     resolve(level, passes)  # a bad option fails before the model is read
     mixed = check_options(precision)
     start = time.perf_counter()
@@ -89,6 +97,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         if backend == "onnxruntime":
             precision_entry["per_token_as_matmulnbits"] = lower_per_token_for_onnxruntime(model)
         refresh_shapes(model)  # the paged lowering reads ranks
+        if backend == "tensorrt":
+            precision_entry["weight_only_as_dequantize_linear"] = matmulnbits_as_dequantize(model)
         if float_graph is not None:
             rewritten = {name: values for name, values in layers.items() if precision_entry["linears"][name] != "fp32"}
             accuracy = check_accuracy(float_graph, model, held_back, rewritten, max_ppl_increase=precision.max_ppl_increase,
@@ -111,6 +121,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         elif not unfused:
             progress(f"paged KV off: {not_paged}")
     check_engine_graph(model, Path(output))
+    network = _tensorrt_network(model, onnx_path, paged_entry, not_paged, tensorrt) if backend == "tensorrt" else None
     manifest = {
         "llmc_version": llmc.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -124,10 +135,22 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         "paged": paged_entry,
         **({"not_paged": not_paged} if paged_entry is None else {}),
     }
+    if network is not None:
+        if tensorrt.dry_run:
+            return {**manifest, "tensorrt_check": network}
+        if network["unsupported"]:
+            raise LlmcError(f"--backend tensorrt: {len(network['unsupported'])} node(s) TensorRT cannot build, nothing "
+                            f"written; first: {network['unsupported'][0]} (--dry-run lists them all)")
     start, output = time.perf_counter(), Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     # The weights are streamed into the engine from where they are (the source file, this
     # process's scratch file): never all in memory, never copied to a file in between.
+    if network is not None:
+        from llmc.compiler.tensorrt_build import build_engine
+
+        engine, manifest["tensorrt"] = build_engine(model, network["profile"], tensorrt, progress)
+        write_engine(output, manifest, {"engine.trt": engine, "tokenizer.json": tok.to_json().encode()})
+        return manifest
     weights = engine_weights(model)
     if paged_entry is not None:
         paged_entry["segments"], payload = segment_sections(model)
@@ -139,6 +162,20 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if large:
         progress(f"wrote {output.name} ({output.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - start:.1f} s")
     return manifest
+
+
+def _tensorrt_network(model: onnx.ModelProto, source: Path, paged: dict[str, Any] | None, not_paged: str,
+                      options: TensorRTOptions) -> dict[str, Any]:
+    """Map the plugin nodes for TensorRT's parser, derive the profile and check every node: the
+    manifest's view of the network a TensorRT build would parse."""
+    if paged is None:
+        raise LlmcError(f"{source}: a TensorRT engine needs the paged lowering, which this model cannot take ({not_paged})")
+    map_plugin_nodes(model)
+    profile = optimization_profile(model, max_batch=paged["max_batch"], max_seq_len=paged["max_seq_len"],
+                                   block_size=paged["block_size"], num_blocks=paged["num_blocks"],
+                                   max_num_tokens=options.max_num_tokens)
+    return {**check_network(model).to_dict(), "profile": {name: [list(s) for s in shapes] for name, shapes in profile.items()},
+            "options": dataclasses.asdict(options)}
 
 
 def _fp16_values(model: onnx.ModelProto) -> frozenset[str]:

@@ -1,0 +1,149 @@
+"""Build a TensorRT 11 engine from the final graph (`llmc compile --backend tensorrt`).
+
+The graph (compiler/tensorrt_network.py has mapped its paged-attention nodes to the
+``llmc::paged_attention`` plugin) is written to a temporary folder with its weights beside it and
+parsed from there: TensorRT's parser reads external weights relative to the file. Networks are
+strongly typed in TensorRT 11 (precision comes from the graph's types and Q/DQ nodes), so the
+config sets no precision flags.
+
+The plugin's ahead-of-time implementation (a Triton kernel compiled to PTX while building) is what
+the engine stores: the network is created with PREFER_AOT_PYTHON_PLUGINS, so running the engine
+needs neither Python plugin code nor Triton. Polygraphy's loaders build the config and the engine
+(`CreateConfig`, `EngineBytesFromNetwork`); the network is created here because Polygraphy's
+`NetworkFromOnnxPath` has no way to pass that creation flag.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import onnx
+
+from llmc.compiler.tensorrt_network import PLUGINS, TensorRTOptions
+from llmc.errors import LlmcError
+from llmc.formats.onnx_io import save_onnx
+
+MIN_VERSION = 11
+
+
+def require_tensorrt():
+    """The tensorrt module, or a one-line error saying what to install."""
+    try:
+        import tensorrt as trt
+    except ImportError as exc:  # also raised when the bindings are there but libnvinfer is not
+        raise LlmcError("--backend tensorrt: TensorRT is not installed here (pip install 'llmc[tensorrt]' on a "
+                        "machine with an NVIDIA GPU and driver); --dry-run checks the graph without it "
+                        f"({exc})") from None
+    if int(trt.__version__.split(".")[0]) < MIN_VERSION:
+        raise LlmcError(f"--backend tensorrt: TensorRT {trt.__version__} is installed; llmc needs TensorRT "
+                        f"{MIN_VERSION} (pip install 'llmc[tensorrt]')")
+    if importlib.util.find_spec("polygraphy") is None:  # the build's loaders
+        raise LlmcError("--backend tensorrt: Polygraphy is not installed (pip install 'llmc[tensorrt]')")
+    return trt
+
+
+def build_engine(model: onnx.ModelProto, profile: dict[str, tuple[tuple[int, ...], ...]],
+                 options: TensorRTOptions, progress: Callable[[str], None] = lambda message: None
+                 ) -> tuple[bytes, dict[str, Any]]:
+    """Serialized engine bytes and the manifest's "tensorrt" entry.
+
+    Args:
+        model: the final graph, plugin nodes mapped (tensorrt_network.map_plugin_nodes).
+        profile: each input's (min, opt, max) shape (tensorrt_network.optimization_profile).
+        options: the build options.
+        progress: called with a line per build phase.
+    """
+    trt = require_tensorrt()
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, Profile
+
+    from llmc.plugins.tensorrt_plugin import register_plugin
+
+    register_plugin()
+    logger = trt.Logger(trt.Logger.WARNING)
+    shapes = Profile()
+    for name, (low, opt, high) in profile.items():
+        shapes.add(name, min=low, opt=opt, max=high)
+    config = CreateConfig(
+        profiles=[shapes],
+        builder_optimization_level=options.optimization_level,
+        load_timing_cache=options.timing_cache if options.timing_cache and os.path.exists(options.timing_cache) else None,
+        memory_pool_limits=({trt.MemoryPoolType.WORKSPACE: int(options.workspace_mb * 2**20)}
+                            if options.workspace_mb else None),
+        hardware_compatibility_level=(trt.HardwareCompatibilityLevel.AMPERE_PLUS if options.hardware_compatible
+                                      else None),
+        version_compatible=options.version_compatible or None,
+        profiling_verbosity=trt.ProfilingVerbosity.DETAILED,  # `llmc inspect` shows layers
+        progress_monitor=_progress_monitor(trt, progress))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="llmc-trt-") as folder:
+        path = Path(folder) / "model.onnx"
+        save_onnx(model, path)  # weights beside it when past 2 GB; the parser finds them by path
+        builder = trt.Builder(logger)
+        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS))
+        parser = trt.OnnxParser(network, logger)
+        progress("parsing the graph into a TensorRT network")
+        if not parser.parse_from_file(str(path)):
+            errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+            raise LlmcError(f"--backend tensorrt: TensorRT's parser rejected the graph: {errors[0] if errors else '?'}"
+                            + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+        progress("building the TensorRT engine (minutes: the builder times kernels for each layer)")
+        engine = EngineBytesFromNetwork((builder, network, parser), config=config,
+                                        save_timing_cache=options.timing_cache)()
+    if engine is None:
+        raise LlmcError("--backend tensorrt: the TensorRT builder failed (its log above says why)")
+    return bytes(engine), describe(trt, options, time.perf_counter() - start)
+
+
+def describe(trt: Any, options: TensorRTOptions, seconds: float) -> dict[str, Any]:
+    """What an engine needs at load: TensorRT version, GPU, plugins, build options."""
+    gpu = current_gpu()
+    return {"version": trt.__version__, "gpu": gpu["name"], "compute_capability": gpu["compute_capability"],
+            "plugins": {plugin_id: "1" for plugin_id in PLUGINS.values()},
+            "hardware_compatible": options.hardware_compatible, "version_compatible": options.version_compatible,
+            "optimization_level": options.optimization_level, "max_num_tokens": options.max_num_tokens,
+            "build_s": round(seconds, 1)}
+
+
+def current_gpu() -> dict[str, Any]:
+    """This machine's first GPU, by name and compute capability ("9.0"), as the manifest records them."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            return {"name": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}"}
+    except ImportError:
+        pass
+    try:
+        line = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
+        name, capability = (part.strip() for part in line.rsplit(",", 1))
+        return {"name": name, "compute_capability": capability}
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        raise LlmcError("--backend tensorrt: no NVIDIA GPU found (neither torch.cuda nor nvidia-smi sees one)") from None
+
+
+def _progress_monitor(trt: Any, progress: Callable[[str], None]):
+    """A trt.IProgressMonitor that reports each top-level build phase as it starts."""
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            if parent_phase is None:
+                progress(f"TensorRT: {phase_name} ({num_steps} steps)")
+
+        def step_complete(self, phase_name, step):
+            return True  # False would cancel the build
+
+        def phase_finish(self, phase_name):
+            pass
+
+    return Monitor()
