@@ -290,7 +290,18 @@ def inspect(path, as_json):
              f"sha256 {manifest['source']['sha256'][:16]}…)",
              f"build options {_build_options(manifest['build_options'])}",
              f"kv cache      {_kv_cache(manifest)}"]
+    if manifest.get("tensorrt"):
+        t = manifest["tensorrt"]
+        portable = [kind for kind in ("hardware", "version") if t[f"{kind}_compatible"]]
+        lines.append(f"tensorrt      {t['version']}, built on {t['gpu']} (compute capability {t['compute_capability']}"
+                     f"{'; ' + ' and '.join(portable) + ' compatible' if portable else ''}), builder level "
+                     f"{t['optimization_level']}, plugins {', '.join(f'{k} v{v}' for k, v in t['plugins'].items())}")
     lines += [f"section       {s['name']}: {s['length']:,} bytes" for s in manifest["sections"]]
+    if manifest.get("tensorrt"):
+        from llmc.formats.engine_file import read_engine
+        from llmc.runtime.backends.tensorrt import layer_information
+
+        lines.append(f"layers        {layer_information(read_engine(engine))}")
     click.echo("\n".join(lines))
 
 
@@ -349,8 +360,8 @@ def _kv_cache(manifest: dict) -> str:
     if not paged:
         return f"contiguous past/present ({manifest['not_paged']})"
     return (f"paged: {paged['num_blocks']} blocks of {paged['block_size']} tokens ({paged['pool_mb']} MiB, "
-            f"{paged['kv_dtype']}), max batch {paged['max_batch']}, max sequence {paged['max_seq_len']}, "
-            f"{len(paged['segments'])} segments")
+            f"{paged['kv_dtype']}), max batch {paged['max_batch']}, max sequence {paged['max_seq_len']}"
+            + (f", {len(paged['segments'])} segments" if paged["segments"] else ""))
 
 
 def _build_options(options: dict) -> str:

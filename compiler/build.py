@@ -148,6 +148,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if network is not None:
         from llmc.compiler.tensorrt_build import build_engine
 
+        paged_entry["segments"] = []  # one TensorRT engine runs the whole graph
         engine, manifest["tensorrt"] = build_engine(model, network["profile"], tensorrt, progress)
         write_engine(output, manifest, {"engine.trt": engine, "tokenizer.json": tok.to_json().encode()})
         return manifest

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import onnx
 
 from llmc.compiler.tensorrt_network import PLUGINS, TensorRTOptions
 from llmc.errors import LlmcError
+from llmc.plugins.cuda_device import current_gpu
 from llmc.formats.onnx_io import save_onnx
 
 MIN_VERSION = 11
@@ -108,25 +108,6 @@ def describe(trt: Any, options: TensorRTOptions, seconds: float) -> dict[str, An
             "hardware_compatible": options.hardware_compatible, "version_compatible": options.version_compatible,
             "optimization_level": options.optimization_level, "max_num_tokens": options.max_num_tokens,
             "build_s": round(seconds, 1)}
-
-
-def current_gpu() -> dict[str, Any]:
-    """This machine's first GPU, by name and compute capability ("9.0"), as the manifest records them."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(0)
-            return {"name": torch.cuda.get_device_name(0), "compute_capability": f"{major}.{minor}"}
-    except ImportError:
-        pass
-    try:
-        line = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()[0]
-        name, capability = (part.strip() for part in line.rsplit(",", 1))
-        return {"name": name, "compute_capability": capability}
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        raise LlmcError("--backend tensorrt: no NVIDIA GPU found (neither torch.cuda nor nvidia-smi sees one)") from None
 
 
 def _progress_monitor(trt: Any, progress: Callable[[str], None]):

@@ -81,6 +81,23 @@ class PagedLayout:
 
 
 @dataclass(frozen=True)
+class TensorRTBuild:
+    """What a TensorRT engine was built with and for (compiler/tensorrt_build.py): checked at load,
+    since a serialized TensorRT engine runs only on the TensorRT release and GPU that built it,
+    unless it was built version- or hardware-compatible."""
+
+    version: str  # TensorRT's, e.g. "11.4.0.106"
+    gpu: str
+    compute_capability: str  # "9.0"
+    plugins: dict  # plugin id → version
+    hardware_compatible: bool  # any Ampere-or-newer GPU
+    version_compatible: bool  # later TensorRT 11 releases
+    optimization_level: int
+    max_num_tokens: int
+    build_s: float
+
+
+@dataclass(frozen=True)
 class Source:
     file: str
     sha256: str
@@ -115,6 +132,7 @@ class Manifest:
     paged: PagedLayout | None
     sections: tuple[Section, ...]
     not_paged: str | None = None  # why the engine is contiguous, when it is
+    tensorrt: TensorRTBuild | None = None  # a TensorRT engine's build (backend "tensorrt")
     extra: dict = field(default_factory=dict)  # fields this llmc does not know (a newer minor writer)
 
     def to_dict(self) -> dict:
@@ -135,8 +153,14 @@ def parse_manifest(data: Any, where: str) -> Manifest:
     manifest = _parse(Manifest, {k: v for k, v in data.items() if k in known}, where, "")
     _check_values(manifest, where)
     names = {section.name for section in manifest.sections}
-    payload = ["model.onnx"] if manifest.paged is None else [
-        name for s in manifest.paged.segments for name in (s.section, s.attention and s.attention.dense) if name]
+    if manifest.backend == "tensorrt":
+        if manifest.tensorrt is None:
+            raise LlmcError(f"{where}: manifest field 'tensorrt' is missing (a TensorRT engine's build)")
+        payload = ["engine.trt"]
+    elif manifest.paged is None:
+        payload = ["model.onnx"]
+    else:
+        payload = [name for s in manifest.paged.segments for name in (s.section, s.attention and s.attention.dense) if name]
     missing = [name for name in ["tokenizer.json", *payload] if name not in names]
     if missing:
         raise LlmcError(f"{where}: the manifest names no section '{missing[0]}'")

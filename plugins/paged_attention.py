@@ -72,6 +72,15 @@ class PagedBatch:
     def num_seqs(self) -> int:
         return len(self.context_lens)
 
+    def slots(self, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pool block and offset of every packed token's slot (its sequence's past length + its
+        index): where the runtime stores the step's new keys and values."""
+        starts = np.asarray(self.query_start_loc, np.int64)
+        sequence = np.repeat(np.arange(self.num_seqs), np.diff(starts))  # of each packed token
+        slots = np.asarray(self.context_lens, np.int64)[sequence] + np.arange(starts[-1]) - starts[sequence]
+        blocks = np.asarray(self.block_tables, np.int64)[sequence, slots // block_size]
+        return blocks, slots % block_size
+
 
 def first_visible_block(past: int, window: int, block_size: int) -> int:
     """The first block a sequence's new tokens read, when the first of them is at position

@@ -52,12 +52,12 @@ class RequestOutput:
 
 
 def load_engine_file(path: str | os.PathLike | EngineFile, verify: bool = True) -> EngineFile:
-    """Read an engine file this build can run (the onnxruntime backend); `verify=False` leaves
+    """Read an engine file this build can run (onnxruntime or TensorRT); `verify=False` leaves
     the sections' checksums to the caller (formats/engine_file.py, `SectionCheck`)."""
     engine = path if isinstance(path, EngineFile) else read_engine(path, verify=verify)
-    if engine.manifest.backend != "onnxruntime":
+    if engine.manifest.backend not in ("onnxruntime", "tensorrt"):
         raise LlmcError(f"{engine.path}: backend '{engine.manifest.backend}' cannot run here; this "
-                        "build of llmc runs onnxruntime engines")
+                        "build of llmc runs onnxruntime and TensorRT engines")
     return engine
 
 
@@ -136,7 +136,12 @@ class Engine:
             raise LlmcError(f"{engine.path}: not a paged engine ({engine.manifest.not_paged}); Engine needs one")
         self.path, self.manifest = engine.path, engine.manifest
         self.tokenizer = load_tokenizer(engine)
-        self.decoder = PagedDecoder(engine, threads, kv_pool_mb)
+        if engine.manifest.backend == "tensorrt":  # imports TensorRT and torch: only for its engines
+            from llmc.runtime.backends.tensorrt import TensorRTDecoder
+
+            self.decoder = TensorRTDecoder(engine, threads, kv_pool_mb)
+        else:
+            self.decoder = PagedDecoder(engine, threads, kv_pool_mb)
 
     def request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                 priority: int = 0, request_id: str | None = None) -> Request:
@@ -212,9 +217,7 @@ class Engine:
     def _execute(self, chunks: list[Chunk]) -> np.ndarray:
         if self.section_check is not None:
             self.section_check.raise_if_failed()  # corrupted weights: no step may run
-        for pool in self.decoder.pools.values():
-            for src, dst in self.scheduler.copies:
-                pool[dst] = pool[src]
+        self.decoder.copy_blocks(self.scheduler.copies)
         tables = [self.blocks.block_table(c.request.request_id) for c in chunks]
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(chunks), width), np.int64)

@@ -166,10 +166,16 @@ class PagedDecoder:
                                           call.window, call.softcap)
                 values[call.output] = attended.astype(query.dtype, copy=False)  # the kernel computes in fp32
                 stores += [(key_cache, key), (value_cache, value)]
-        blocks, offsets = self._slots(batch)
+        blocks, offsets = batch.slots(self.block_size)
         for pool, new in stores:
             self.attention.store(pool, new, blocks, offsets)
         return values["logits"][0]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: pool block `src` into `dst` for each pair, in every pool."""
+        for pool in self.pools.values():
+            for src, dst in pairs:
+                pool[dst] = pool[src]
 
     def warm_up(self, tokens: int = DENSE_MIN_TOKENS + 1, seqs: int = 2) -> None:
         """Run one throw-away step of `tokens` tokens (one prompt, the rest decodes of `seqs`
@@ -194,11 +200,3 @@ class PagedDecoder:
         batch = PagedBatch(tables, np.array([0] + [1] * decodes), starts)
         positions = np.concatenate([np.arange(prompt), np.ones(decodes, np.int64)])
         self.step(np.zeros(prompt + decodes, np.int64), positions, batch)
-
-    def _slots(self, batch: PagedBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Pool block and offset of every packed token's slot (past length + its index)."""
-        starts = np.asarray(batch.query_start_loc, np.int64)
-        sequence = np.repeat(np.arange(batch.num_seqs), np.diff(starts))  # of each packed token
-        slots = np.asarray(batch.context_lens, np.int64)[sequence] + np.arange(starts[-1]) - starts[sequence]
-        blocks = np.asarray(batch.block_tables, np.int64)[sequence, slots // self.block_size]
-        return blocks, slots % self.block_size
