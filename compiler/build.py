@@ -29,7 +29,8 @@ from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.linears import linear_layers
 from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
 from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, refresh_shapes, resolve
-from llmc.compiler.tensorrt_network import TensorRTOptions, check_network, map_plugin_nodes, optimization_profile
+from llmc.compiler.tensorrt_network import (TensorRTOptions, check_network, map_plugin_nodes, optimization_profile,
+                                            standard_norms)
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
 
@@ -172,6 +173,7 @@ def _tensorrt_network(model: onnx.ModelProto, source: Path, paged: dict[str, Any
     if paged is None:
         raise LlmcError(f"{source}: a TensorRT engine needs the paged lowering, which this model cannot take ({not_paged})")
     map_plugin_nodes(model)
+    standard_norms(model)
     profile = optimization_profile(model, max_batch=paged["max_batch"], max_seq_len=paged["max_seq_len"],
                                    block_size=paged["block_size"], num_blocks=paged["num_blocks"],
                                    max_num_tokens=options.max_num_tokens)

@@ -35,6 +35,8 @@ PLUGIN_VERSION = "1"
 PLUGIN_ATTRIBUTES = {"scale": None, "window": 0, "softcap": 0.0}
 # Plugins llmc registers with TensorRT, by the op type the parser sees.
 PLUGINS = {PLUGIN_NAME: PLUGIN_ID}
+DOMAIN_DEFAULT, CONTRIB = "", "com.microsoft"
+RMS_NORM_OPSET = 23  # RMSNormalization's first opset
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,59 @@ def map_plugin_nodes(model: onnx.ModelProto) -> int:
         kept = [o for o in model.opset_import if o.domain != DOMAIN]
         del model.opset_import[:]
         model.opset_import.extend(kept)
+    return count
+
+
+def standard_norms(model: onnx.ModelProto) -> int:
+    """Rewrite onnxruntime's norms as the opset-23 ops TensorRT's parser imports; returns how many.
+
+    SimplifiedLayerNormalization (genai's graphs, default domain) becomes RMSNormalization, the same
+    op under its standard name; com.microsoft Skip(Simplified)LayerNormalization becomes the residual
+    Add (and its bias Add) feeding RMSNormalization or LayerNormalization, the sum still available
+    as the op's fourth output. Their mean and inverse-deviation outputs have no standard form and
+    must be unused.
+    """
+    used = {name for node in model.graph.node for name in node.input} | {o.name for o in model.graph.output}
+    nodes, count = [], 0
+    for node in model.graph.node:
+        kind = (node.domain, node.op_type)
+        if kind not in ((DOMAIN_DEFAULT, "SimplifiedLayerNormalization"), (CONTRIB, "SkipSimplifiedLayerNormalization"),
+                        (CONTRIB, "SkipLayerNormalization")):
+            nodes.append(node)
+            continue
+        name = node.name or node.output[0]
+        statistics = node.output[1:3] if node.op_type.startswith("Skip") else node.output[1:]
+        if any(o and o in used for o in statistics):
+            raise LlmcError(f"node {name}: {node.op_type}'s statistics outputs are read; TensorRT's norms have none")
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        epsilon = float(attrs.get("epsilon", 1e-5))
+        if node.op_type == "SimplifiedLayerNormalization":
+            nodes.append(helper.make_node("RMSNormalization", list(node.input[:2]), [node.output[0]], name=name,
+                                          axis=int(attrs.get("axis", -1)), epsilon=epsilon,
+                                          stash_type=int(attrs.get("stash_type", 1))))
+        else:
+            layer = node.op_type == "SkipLayerNormalization"
+            inputs = list(node.input) + [""] * (5 - len(node.input))
+            gamma, beta, bias = inputs[2], inputs[3] if layer else "", inputs[4] if layer else inputs[3]
+            total = node.output[3] if len(node.output) > 3 and node.output[3] else f"{name}/sum"
+            added = f"{name}/input_plus_skip" if bias else total
+            nodes.append(helper.make_node("Add", inputs[:2], [added], name=f"{name}/Add"))
+            if bias:
+                nodes.append(helper.make_node("Add", [added, bias], [total], name=f"{name}/AddBias"))
+            norm = ("LayerNormalization", [total, gamma] + ([beta] if beta else [])) if layer else \
+                ("RMSNormalization", [total, gamma])
+            nodes.append(helper.make_node(norm[0], norm[1], [node.output[0]], name=name, axis=-1, epsilon=epsilon))
+        count += 1
+    if count:
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        for opset in model.opset_import:
+            if opset.domain in ("", "ai.onnx") and opset.version < RMS_NORM_OPSET:
+                opset.version = RMS_NORM_OPSET
+        if not any(n.domain == CONTRIB for n in model.graph.node):
+            kept = [o for o in model.opset_import if o.domain != CONTRIB]
+            del model.opset_import[:]
+            model.opset_import.extend(kept)
     return count
 
 

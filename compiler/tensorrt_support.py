@@ -52,7 +52,9 @@ PARSER_OPS: dict[str, frozenset[int]] = {
                      "Softplus", "Softsign", "Elu", "Celu", "Selu", "LeakyRelu", "ThresholdedRelu", "HardSigmoid",
                      "PRelu", "Gelu", "Swish", "Softmax", "LogSoftmax", "Einsum", "Gemm", "MatMul", "CumSum",
                      "LayerNormalization", "RMSNormalization", "GroupNormalization", "InstanceNormalization",
-                     "RotaryEmbedding", "Attention", "Dropout", "Clip", "IsInf"), F),
+                     "Dropout", "Clip", "IsInf"), F),
+    "RotaryEmbedding": F | {T.INT64},  # position_ids are INT64
+    "Attention": F | {T.BOOL},  # a boolean attn_mask
     **dict.fromkeys(("Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "IsNaN"), FIB),
     **dict.fromkeys(("And", "Or", "Xor", "Not"), frozenset({T.BOOL})),
     **dict.fromkeys(("Concat", "Expand", "Flatten", "Identity", "Reshape", "Shape", "Size", "Slice", "Split",

@@ -118,3 +118,18 @@ def test_every_eos_id_stops_generation(tmp_path):
     assert completion.prompt_token_ids == prompt_ids
     assert completion.token_ids == free[:stop_at + 1]
     assert completion.finish_reason == "stop"
+
+
+def test_tensorrt_dry_run_accepts_every_family(compiled, tmp_path):
+    """`llmc compile --backend tensorrt --dry-run`: every node of every family's final graph is one
+    TensorRT 11's parser imports, or the paged-attention plugin (one per layer)."""
+    from llmc.compiler.build import compile_model
+    from llmc.compiler.tensorrt_network import TensorRTOptions
+
+    family, folder, out, engine = compiled
+    manifest = compile_model(out / "model.onnx", tmp_path / "trt.plan", backend="tensorrt",
+                             tensorrt=TensorRTOptions(dry_run=True))
+    check = manifest["tensorrt_check"]
+    assert check["unsupported"] == [], check["unsupported"]
+    assert check["plugins"] == {"llmc::paged_attention": manifest["geometry"]["num_layers"]}
+    assert not (tmp_path / "trt.plan").exists()

@@ -134,3 +134,12 @@ def test_int4_output_equals_genai_own_generation(tmp_path):
         generator.generate_next_token()
         reference.append(int(generator.get_next_tokens()[0]))
     assert record["token_ids"] == reference[:len(record["token_ids"])] and len(record["token_ids"]) == NEW_TOKENS
+
+
+def test_tensorrt_dry_run_accepts_the_builders_graph(built, tmp_path):
+    """genai's graph, its GroupQueryAttention canonicalized and lowered to the plugin, passes
+    `--backend tensorrt --dry-run`: no onnxruntime contrib op is left for TensorRT."""
+    family, checkpoint, genai = built
+    result = _compile(genai, checkpoint, tmp_path / "trt.plan", "--backend", "tensorrt", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "plugins llmc::paged_attention ×2" in result.stdout and "ok:" in result.stdout

@@ -127,3 +127,15 @@ def test_compiled_engine_generates_transformers_greedy_tokens(exports, reference
         assert reason in manifest["not_paged"]
         pytest.xfail(f"contiguous engine matches; not paged: {manifest['not_paged']}")
     assert (family, exporter) not in NOT_PAGED, "now paged: drop it from NOT_PAGED"
+
+
+@pytest.mark.parametrize("exporter", THIRD_PARTY)
+@pytest.mark.parametrize("family", GENERATION_FAMILIES)
+def test_tensorrt_dry_run_accepts_every_third_party_export(exports, tmp_path, family, exporter):
+    """Every export that compiles paged on the CPU passes `--backend tensorrt --dry-run`."""
+    from llmc.compiler.tensorrt_network import TensorRTOptions
+
+    manifest = compile_model(exports(family, exporter), tmp_path / "trt.plan", backend="tensorrt",
+                             tensorrt=TensorRTOptions(dry_run=True))
+    assert manifest["tensorrt_check"]["unsupported"] == [], manifest["tensorrt_check"]["unsupported"]
+    assert manifest["tensorrt_check"]["plugins"] == {"llmc::paged_attention": LAYERS}

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from llmc.cli import main
 from llmc.compiler.build import compile_model
 from llmc.compiler.tensorrt_network import (TensorRTOptions, check_network, map_plugin_nodes,
-                                            optimization_profile)
+                                            optimization_profile, standard_norms)
 from llmc.errors import LlmcError
 
 
@@ -167,3 +167,35 @@ def test_bad_tensorrt_options_get_one_line_and_exit_2(tiny_llama_onnx, tmp_path,
     errors = [line for line in result.stderr.splitlines() if line.startswith("llmc: error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("op, inputs", [("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma", "bias"]),
+                                        ("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"]),
+                                        ("SkipLayerNormalization", ["x", "skip", "gamma", "beta", "bias"]),
+                                        ("SimplifiedLayerNormalization", ["x", "gamma"])])
+def test_onnxruntime_norms_become_standard_ops_computing_the_same(op, inputs):
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    values = {"x": rng.standard_normal((1, 3, 8)), "skip": rng.standard_normal((1, 3, 8)),
+              "gamma": rng.standard_normal(8), "beta": rng.standard_normal(8), "bias": rng.standard_normal(8)}
+    contrib = op.startswith("Skip")
+    outputs = ["y", "", "", "sum"] if contrib else ["y"]
+    node = helper.make_node(op, inputs, outputs, name="norm", domain="com.microsoft" if contrib else "",
+                            epsilon=1e-5)
+    graph = helper.make_graph(
+        [node], "g", [_value(n, shape=values[n].shape) for n in inputs if n != "gamma"],
+        [_value("y", shape=(1, 3, 8))] + ([_value("sum", shape=(1, 3, 8))] if contrib else []),
+        [numpy_helper.from_array(values["gamma"].astype(np.float32), "gamma")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    feeds = {n: values[n].astype(np.float32) for n in inputs if n != "gamma"}
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    expected = run(model)
+    assert standard_norms(model) == 1
+    assert not any(n.domain for n in model.graph.node) and model.opset_import[0].version == 23
+    assert check_network(model).ok, check_network(model).unsupported
+    for got, want in zip(run(model), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
