@@ -13,7 +13,6 @@ import inspect
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
