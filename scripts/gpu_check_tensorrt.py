@@ -1,0 +1,156 @@
+"""The TensorRT path end to end, on a machine with an NVIDIA GPU and TensorRT 11 (run by
+scripts/gpu_check.sh after the Triton kernel check).
+
+Checks, one line each (PASS / FAIL / SKIP with the reason), then a summary; exit 1 on any FAIL:
+
+1. tiny-llama (random weights): `llmc compile --backend tensorrt` builds, and its greedy tokens
+   equal the onnxruntime engine's for the same prompts;
+2. the trained model (data/pystdlib-llama): the same at fp32, then `llmc check` (the accuracy
+   gate against the ONNX export, on data/pystdlib-text/heldout) passes for a --fp16 and an
+   --int8-calib engine;
+3. `llmc bench` on the trained model's TensorRT engine: throughput and TTFT/TPOT p50/p99, and
+   single-request latency (--batch 1).
+
+Every command is the CLI a user runs; work files go to a temporary folder (or --work-dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ("def fibonacci(", "import os\n", "class Stack:")
+NEW_TOKENS = 24
+MAX_PPL_INCREASE = 3.0
+
+
+class Checks:
+    def __init__(self):
+        self.results: list[tuple[str, str, str]] = []
+
+    def record(self, status: str, name: str, detail: str) -> None:
+        self.results.append((status, name, detail))
+        print(f"{status:<4} {name}: {detail}", flush=True)
+
+
+def llmc(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmc.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def greedy_tokens(engine: Path) -> list[list[int]]:
+    args = ["run", str(engine), "--max-new-tokens", str(NEW_TOKENS), "--json"]
+    for prompt in PROMPTS:
+        args += ["--prompt", prompt]
+    done = llmc(*args)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+    return [json.loads(line)["token_ids"] for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def same_tokens(checks: Checks, name: str, onnx: Path, work: Path, *compile_options: str) -> Path | None:
+    """Compile `onnx` for both backends; PASS when TensorRT's greedy tokens equal onnxruntime's."""
+    cpu, gpu = work / f"{name}-onnxruntime.plan", work / f"{name}-tensorrt.plan"
+    for engine, backend in ((cpu, "onnxruntime"), (gpu, "tensorrt")):
+        start = time.perf_counter()
+        done = llmc("compile", str(onnx), "-o", str(engine), "--backend", backend, *compile_options, timeout=900)
+        if done.returncode:
+            checks.record("FAIL", f"{name}: compile --backend {backend}", done.stderr.strip().splitlines()[-1])
+            return None
+        if backend == "tensorrt":
+            checks.record("PASS", f"{name}: compile --backend tensorrt", f"{time.perf_counter() - start:.0f} s, "
+                          f"{engine.stat().st_size / 2**20:.1f} MiB")
+    try:
+        expected, got = greedy_tokens(cpu), greedy_tokens(gpu)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        checks.record("FAIL", f"{name}: llmc run on the TensorRT engine", str(exc))
+        return None
+    agree = sum(e == g for e, g in zip(expected, got))
+    status = "PASS" if expected == got else "FAIL"
+    checks.record(status, f"{name}: greedy tokens, TensorRT vs onnxruntime", f"{agree}/{len(PROMPTS)} prompts identical "
+                  f"over {NEW_TOKENS} tokens")
+    return gpu
+
+
+def gate(checks: Checks, onnx: Path, work: Path, precision: list[str], label: str) -> None:
+    engine = work / f"trained-{label}-tensorrt.plan"
+    done = llmc("compile", str(onnx), "-o", str(engine), "--backend", "tensorrt", *precision, timeout=900)
+    if done.returncode:
+        checks.record("FAIL", f"trained {label}: compile --backend tensorrt", done.stderr.strip().splitlines()[-1])
+        return
+    accuracy(checks, engine, onnx, f"trained {label}")
+
+
+def accuracy(checks: Checks, engine: Path, onnx: Path, name: str) -> None:
+    """`llmc check` against the ONNX export on the held-out text, as a CI job gates an engine."""
+    done = llmc("check", str(engine), "--reference", str(onnx), "--data", str(ROOT / "data/pystdlib-text/heldout"),
+                "--max-ppl-increase", str(MAX_PPL_INCREASE), "--json")
+    try:
+        report = json.loads(done.stdout)
+        detail = (f"perplexity {report['ppl_increase_pct']:+.2f}% against the fp32 export (limit {MAX_PPL_INCREASE}%), "
+                  f"top-1 agreement {report['top1_agreement']:.3f}")
+    except json.JSONDecodeError:
+        detail = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+    checks.record("PASS" if done.returncode == 0 else "FAIL", f"{name}: llmc check", detail)
+
+
+def bench(checks: Checks, engine: Path, requests: int = 64) -> None:
+    for label, options in ((f"offline {requests} requests", ["--requests", str(requests)]),
+                           ("single request", ["--batch", "1", "--requests", str(min(8, requests))])):
+        done = llmc("bench", str(engine), "--json", *options)
+        if done.returncode:
+            checks.record("FAIL", f"llmc bench, {label}", done.stderr.strip().splitlines()[-1])
+            continue
+        r = json.loads(done.stdout)
+        pick = {k: r[k] for k in r if any(s in k for s in ("tok_s", "p50", "p99"))}
+        checks.record("PASS", f"llmc bench, {label}", ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                                 for k, v in pick.items()))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work-dir", help="keep the engines here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    checks = Checks()
+    try:
+        import tensorrt
+
+        checks.record("PASS", "tensorrt importable", f"TensorRT {tensorrt.__version__}")
+    except ImportError as exc:
+        checks.record("FAIL", "tensorrt importable", f"{exc} (pip install 'llmc[tensorrt]')")
+        return summary(checks)
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="llmc-gpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        for name, source in (("tiny-llama", "tiny-llama"), ("trained", str(ROOT / "data/pystdlib-llama"))):
+            onnx = work / f"{name}.onnx"
+            done = llmc("export", source, "-o", str(onnx), timeout=900)
+            if done.returncode:
+                checks.record("FAIL", f"{name}: export", done.stderr.strip().splitlines()[-1])
+                continue
+            engine = same_tokens(checks, name, onnx, work)
+            if name == "trained":
+                gate(checks, onnx, work, ["--fp16"], "fp16")
+                gate(checks, onnx, work, ["--int8-calib", str(ROOT / "data/pystdlib-text/calib")], "int8")
+                if engine is not None:
+                    bench(checks, engine)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    return summary(checks)
+
+
+def summary(checks: Checks) -> int:
+    counts = {s: sum(r[0] == s for r in checks.results) for s in ("PASS", "FAIL", "SKIP")}
+    print(f"tensorrt checks: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped", flush=True)
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
