@@ -60,6 +60,7 @@ def build_engine(model: onnx.ModelProto, profile: dict[str, tuple[tuple[int, ...
         progress: called with a line per build phase.
     """
     trt = require_tensorrt()
+    gpu = current_gpu()  # before minutes of building: the engine is for this GPU
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, Profile
 
     from llmc.plugins.tensorrt_plugin import register_plugin
@@ -97,12 +98,11 @@ def build_engine(model: onnx.ModelProto, profile: dict[str, tuple[tuple[int, ...
                                         save_timing_cache=options.timing_cache)()
     if engine is None:
         raise LlmcError("--backend tensorrt: the TensorRT builder failed (its log above says why)")
-    return bytes(engine), describe(trt, options, time.perf_counter() - start)
+    return bytes(engine), describe(trt, gpu, options, time.perf_counter() - start)
 
 
-def describe(trt: Any, options: TensorRTOptions, seconds: float) -> dict[str, Any]:
+def describe(trt: Any, gpu: dict[str, str], options: TensorRTOptions, seconds: float) -> dict[str, Any]:
     """What an engine needs at load: TensorRT version, GPU, plugins, build options."""
-    gpu = current_gpu()
     return {"version": trt.__version__, "gpu": gpu["name"], "compute_capability": gpu["compute_capability"],
             "plugins": {plugin_id: "1" for plugin_id in PLUGINS.values()},
             "hardware_compatible": options.hardware_compatible, "version_compatible": options.version_compatible,

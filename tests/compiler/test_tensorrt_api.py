@@ -177,6 +177,32 @@ def test_parser_errors_fail_the_build_with_nothing_written(trt, tiny_llama_onnx,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_tensorrt_engine_without_tensorrt_gets_one_line_naming_the_extra(built_engine, monkeypatch):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    path, _, _ = built_engine
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # not installed
+    result = CliRunner().invoke(main, ["run", str(path), "--prompt", "hi"])
+    assert result.exit_code == 2
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and "TensorRT engine" in errors[0] and "llmc[tensorrt]" in errors[0], errors
+    assert result.stdout == ""
+
+
+def test_no_gpu_fails_before_building(trt, tiny_llama_onnx, tmp_path, monkeypatch):
+    from llmc.compiler import tensorrt_build
+
+    def no_gpu():
+        raise LlmcError("--backend tensorrt: no NVIDIA GPU found (neither torch.cuda nor nvidia-smi sees one)")
+
+    monkeypatch.setattr(tensorrt_build, "current_gpu", no_gpu)
+    with pytest.raises(LlmcError, match="no NVIDIA GPU"):
+        compile_model(tiny_llama_onnx, tmp_path / "engine.plan", backend="tensorrt")
+    assert "Builder" not in trt.used and list(tmp_path.iterdir()) == []
+
+
 class _FakeExecution:
     """TensorRT's engine and execution context as the runtime backend calls them: shapes follow
     the bound inputs, and a step writes outputs derived from its inputs (keys = token id + layer,
@@ -281,3 +307,18 @@ def test_an_engine_for_another_gpu_or_tensorrt_is_refused_naming_both(build, her
     relaxed = {**fields, **build, "version_compatible": True, "hardware_compatible": True}
     if here[0].startswith("11.") and float(here[1]) >= 8.0:
         check_compatible(TensorRTBuild(**relaxed), here[0], {"name": "GPU", "compute_capability": here[1]}, "e.plan")
+
+
+def test_current_gpu_names_what_is_missing_without_one():
+    import shutil
+
+    import torch
+
+    from llmc.plugins.cuda_device import current_gpu
+
+    if torch.cuda.is_available() or shutil.which("nvidia-smi"):
+        gpu = current_gpu()
+        assert gpu["name"] and float(gpu["compute_capability"]) > 0
+    else:
+        with pytest.raises(LlmcError, match="no NVIDIA GPU found"):
+            current_gpu()
