@@ -34,6 +34,7 @@ class Tokenizer:
         add_bos: prepend `bos_id` in `encode` (ignored when `bos_id` is None).
         split_special_tokens: encode special-token text found in the input (e.g. a literal
             "</s>") as ordinary text instead of as the special token.
+        chat_template: the model's Jinja chat template (Hugging Face's), or None if it has none.
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class Tokenizer:
         eos_ids: Sequence[int] = (),
         add_bos: bool = False,
         split_special_tokens: bool = False,
+        chat_template: str | None = None,
     ) -> None:
         size = inner.get_vocab_size(with_added_tokens=True)
         # dict.fromkeys: ordered and without repeats, the primary EOS first.
@@ -60,6 +62,7 @@ class Tokenizer:
         self.eos_ids = all_eos
         self.add_bos = add_bos
         self.split_special_tokens = split_special_tokens
+        self.chat_template = chat_template
 
     @property
     def inner(self) -> tokenizers.Tokenizer:
@@ -99,6 +102,31 @@ class Tokenizer:
         """
         return self._inner.token_to_id(token)
 
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
+        """The prompt text of a conversation, ending where the assistant's reply starts (Hugging
+        Face's `apply_chat_template(..., add_generation_prompt=True, tokenize=False)`).
+
+        Args:
+            messages: {"role": ..., "content": ...} dicts, oldest first.
+        """
+        if self.chat_template is None:
+            raise LlmcError("this model's tokenizer has no chat template (use completions with a prompt)")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = raise_exception
+        token = lambda i: None if i is None else self._inner.id_to_token(i)  # noqa: E731
+        try:
+            return environment.from_string(self.chat_template).render(
+                messages=list(messages), add_generation_prompt=True, bos_token=token(self.bos_id) or "",
+                eos_token=token(self.eos_id) or "")
+        except TemplateError as e:
+            raise LlmcError(f"chat template: {first_line(e)}") from None
+
     def to_json(self) -> str:
         """A JSON string from which `from_json` rebuilds this exact tokenizer."""
         return json.dumps(
@@ -112,6 +140,7 @@ class Tokenizer:
                 "eos_ids": list(self.eos_ids),
                 "add_bos": self.add_bos,
                 "split_special_tokens": self.split_special_tokens,
+                "chat_template": self.chat_template,
             }
         )
 
@@ -144,6 +173,7 @@ class Tokenizer:
                 eos_ids=data.get("eos_ids") or (),  # absent from JSON written before several EOS ids
                 add_bos=bool(data.get("add_bos", False)),
                 split_special_tokens=bool(data.get("split_special_tokens", False)),
+                chat_template=data.get("chat_template"),  # absent from JSON written before llmc kept it
             )
         except (LlmcError, TypeError) as e:  # TypeError: eos_ids not a list
             raise LlmcError(f"{source}: {first_line(e)}") from None
@@ -191,6 +221,7 @@ class Tokenizer:
                 eos_ids=eos_ids,
                 add_bos=add_bos,
                 split_special_tokens=bool(tok_config.get("split_special_tokens", False)),
+                chat_template=_chat_template(folder, tok_config),
             )
         except LlmcError as e:
             raise LlmcError(f"{folder}: {e}") from None
@@ -215,6 +246,8 @@ class Tokenizer:
             if token_id is not None:
                 config[key] = self._inner.id_to_token(token_id)
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if self.chat_template is not None:
+            (out / "chat_template.jinja").write_text(self.chat_template)
         if self.eos_ids != (() if self.eos_id is None else (self.eos_id,)):
             generation = _read_json_if_exists(out / "generation_config.json")
             generation["eos_token_id"] = list(self.eos_ids)
@@ -254,6 +287,18 @@ def _bytes_to_unicode() -> dict[int, str]:
             table[b] = chr(256 + shift)
             shift += 1
     return table
+
+
+def _chat_template(folder: Path, tok_config: dict[str, Any]) -> str | None:
+    """The folder's chat template: chat_template.jinja (transformers' current layout), or
+    tokenizer_config.json's "chat_template" (a string, or named templates: the "default" one)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text()
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _read_json_if_exists(path: Path) -> dict[str, Any]:

@@ -169,3 +169,38 @@ def test_json_written_before_the_inner_tokenizer_was_a_string_still_loads() -> N
     text = "def f(x):\n    return x  # café"
     assert older.encode(text) == tokenizer.encode(text)
     assert older.to_json() == tokenizer.to_json()
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("layout", ["jinja file", "tokenizer_config string", "tokenizer_config named"])
+def test_chat_template_renders_as_transformers_does(tmp_path: Path, layout: str) -> None:
+    import transformers
+
+    byte_level_tokenizer().save(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if layout == "jinja file":
+        (tmp_path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    else:
+        config["chat_template"] = CHAT_TEMPLATE if layout == "tokenizer_config string" else [
+            {"name": "tool_use", "template": "unused"}, {"name": "default", "template": CHAT_TEMPLATE}]
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_folder(tmp_path)
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(MESSAGES) == reference == "<s><|system|>Be brief.</s>\n<|user|>Hi</s>\n<|assistant|>"
+    assert Tokenizer.from_json(tok.to_json()).apply_chat_template(MESSAGES) == reference  # kept in engines
+    tok.save(tmp_path / "saved")
+    assert Tokenizer.from_folder(tmp_path / "saved").chat_template == CHAT_TEMPLATE
+
+
+def test_no_chat_template_and_template_errors_are_user_errors() -> None:
+    with pytest.raises(LlmcError, match="no chat template"):
+        byte_level_tokenizer().apply_chat_template(MESSAGES)
+    tok = Tokenizer.from_json(byte_level_tokenizer().to_json())
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(LlmcError, match="chat template: roles must alternate"):
+        tok.apply_chat_template(MESSAGES)
