@@ -307,6 +307,49 @@ def inspect(path, as_json):
 
 @main.command()
 @click.argument("engine", type=click.Path(dir_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--model-name", help="The model name clients pass (default: the engine file's name without .plan).")
+@click.option("--max-waiting", default=256, show_default=True, type=int,
+              help="Requests admitted beyond the running seats; past it, HTTP 429 with Retry-After.")
+@click.option("--max-num-seqs", type=int, help="Scheduler: sequences per step (default: the engine's max batch).")
+@click.option("--max-num-batched-tokens", type=int, help="Scheduler: tokens per step (default 512).")
+@click.option("--max-wait-ms", default=0.0, show_default=True, type=float,
+              help="Scheduler: hold new requests this long to fill a batch (latency for throughput).")
+@click.option("--policy", default="priority", show_default=True,
+              help="Scheduler: priority (a request's \"priority\" field, lower first, then arrival) or fifo.")
+@click.option("--threads", type=int, help="CPU threads (default: every core).")
+@click.option("--kv-pool-mb", type=float, help="KV pool size (default: the compiled size or the load-time rule).")
+def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_batched_tokens, max_wait_ms, policy,
+          threads, kv_pool_mb):
+    """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
+    import importlib.util
+
+    from llmc.formats.engine_file import read_manifest
+    from llmc.runtime.engine import Engine
+    from llmc.runtime.scheduler import SchedulerConfig
+    from llmc.server import ServerOptions, create_app, serve as run_server
+
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise LlmcError(f"llmc serve needs {', '.join(missing)}: pip install 'llmc[serve]'")
+
+    if max_waiting < 0:
+        raise LlmcError(f"--max-waiting: must be ≥ 0, got {max_waiting}")
+    paged = read_manifest(_existing(engine))["paged"]
+    if not paged:
+        raise LlmcError(f"{engine}: llmc serve needs a paged engine (compiled without --no-paged)")
+    config = SchedulerConfig(max_num_seqs=max_num_seqs or paged["max_batch"], max_wait_ms=max_wait_ms, policy=policy,
+                             **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}))
+    loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb)
+    name = model_name or Path(engine).stem
+    app = create_app(loaded, ServerOptions(model_name=name, max_waiting=max_waiting))
+    click.echo(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops)", err=True)
+    run_server(app, host, port)
+
+
+@main.command()
+@click.argument("engine", type=click.Path(dir_okay=False))
 @click.option("--prompt", "prompts", multiple=True, help="A prompt; repeat for several.")
 @click.option("--prompts-file", type=click.Path(dir_okay=False),
               help="Prompts, one per line, or JSONL objects with a 'prompt' field.")

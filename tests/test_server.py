@@ -1,0 +1,318 @@
+"""`llmc serve` through the official `openai` client and plain httpx, against a server each test
+module starts on 127.0.0.1 with a free port (tiny-llama, whose tokenizer is given a chat template).
+
+Every completed answer is compared with the same request run alone through `LLM` (greedy), and
+after each test every KV block is back in the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from llmc import LLM, SamplingParams
+from llmc.compiler.build import compile_model
+from llmc.runtime.engine import Engine
+from llmc.server import ServerOptions, create_app
+from llmc.tokenizer import byte_level_tokenizer
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def chat_engine(tiny_llama_onnx, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("chat-tokenizer")
+    byte_level_tokenizer().save(folder)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    path = folder / "chat.plan"
+    compile_model(tiny_llama_onnx, path, tokenizer=folder)
+    return path
+
+
+@contextlib.contextmanager
+def running(app):
+    """The app served by uvicorn in a thread; yields its base URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(chat_engine):
+    engine = Engine(chat_engine)
+    app = create_app(engine, ServerOptions(model_name=MODEL, max_waiting=64))
+    with running(app) as url:
+        yield url, engine, app
+
+
+@pytest.fixture(scope="module")
+def alone(chat_engine):
+    """Greedy completion of one prompt (text or ids) run alone: (text, token count)."""
+    llm = LLM(chat_engine)
+
+    def run(prompt, max_tokens):
+        (out,) = llm.generate([prompt], SamplingParams(max_new_tokens=max_tokens))
+        return out.text, len(out.token_ids)
+    return run
+
+
+@pytest.fixture(autouse=True)
+def blocks_come_back(request):
+    yield
+    if "server" in request.fixturenames:
+        _, engine, _ = request.getfixturevalue("server")
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished() or engine.blocks.stats.blocks_in_use:
+            assert time.monotonic() < deadline, f"blocks still in use: {engine.blocks.stats}"
+            time.sleep(0.05)
+
+
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_and_health(server):
+    url, _, _ = server
+    assert [m.id for m in client(url).models.list().data] == [MODEL]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_the_request_run_alone(server, alone):
+    url, _, _ = server
+    answer = client(url).completions.create(model=MODEL, prompt="def fibonacci(", max_tokens=12, temperature=0)
+    text, count = alone("def fibonacci(", 12)
+    assert answer.choices[0].text == text and answer.choices[0].finish_reason in ("length", "stop")
+    assert answer.usage.completion_tokens == count and answer.usage.prompt_tokens == len("def fibonacci(") + 1  # BOS
+
+
+def test_chat_uses_the_template(server, alone, chat_engine):
+    url, _, _ = server
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "import os"}]
+    answer = client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    ids = Engine(chat_engine).tokenizer.inner.encode(
+        "<|system|>Be brief.\n<|user|>import os\n<|assistant|>", add_special_tokens=False).ids
+    text, _ = alone(ids, 10)
+    assert answer.choices[0].message.role == "assistant" and answer.choices[0].message.content == text
+
+
+def test_streams_match_the_whole_answers(server):
+    url, _, _ = server
+    api = client(url)
+    whole = api.completions.create(model=MODEL, prompt="class Stack:", max_tokens=16, temperature=0)
+    chunks = list(api.completions.create(model=MODEL, prompt="class Stack:", max_tokens=16, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    messages = [{"role": "user", "content": "hi"}]
+    whole = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_n_seed_and_stop(server):
+    url, _, _ = server
+    api = client(url)
+    first = api.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=1.0, seed=7, n=3)
+    again = api.completions.create(model=MODEL, prompt="x", max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    whole = api.completions.create(model=MODEL, prompt="def f(", max_tokens=16, temperature=0).choices[0].text
+    stop = whole[3:5]
+    cut = api.completions.create(model=MODEL, prompt="def f(", max_tokens=16, temperature=0, stop=[stop]).choices[0]
+    assert cut.text == whole[:whole.index(stop)] and cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"model": "other", "prompt": "x"}, 404, "model"),
+    ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "n": 100}, 400, "n"),
+    ({"model": MODEL, "prompt": "x" * 5000}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_error_objects(server, body, status, param):
+    url, _, _ = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    answer = httpx.post(f"{url}/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+    # and the server keeps serving
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_chat_errors(server, tiny_llama_engine):
+    url, _, _ = server
+    answer = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+    app = create_app(Engine(tiny_llama_engine), ServerOptions(model_name="plain"))
+    with running(app) as plain:
+        answer = httpx.post(f"{plain}/v1/chat/completions",
+                            json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 400 and "no chat template" in answer.json()["error"]["message"]
+        assert httpx.get(f"{plain}/nowhere").status_code == 404
+
+
+def test_an_oversized_body_gets_413(tiny_llama_engine):
+    app = create_app(Engine(tiny_llama_engine), ServerOptions(model_name="m", max_body_bytes=1000))
+    with running(app) as url:
+        answer = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x" * 2000})
+        assert answer.status_code == 413 and answer.json()["error"]["message"]
+
+
+def test_a_full_queue_answers_429_with_retry_after(chat_engine):
+    from llmc.runtime.scheduler import SchedulerConfig
+
+    engine = Engine(chat_engine, SchedulerConfig(max_num_seqs=1))
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.1), step())[1]  # slow steps: the first request stays in flight
+    app = create_app(engine, ServerOptions(model_name=MODEL, max_waiting=0))  # room for one request
+    body = {"model": MODEL, "prompt": "def", "max_tokens": 100, "temperature": 0}
+    with running(app) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}):
+            deadline = time.monotonic() + 10
+            while not app.state.llmc.active:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            rejected = httpx.post(f"{url}/v1/completions", json=body)
+        assert rejected.status_code == 429, rejected.text
+        assert rejected.headers["retry-after"] == "1" and rejected.json()["error"]["type"] == "rate_limit_error"
+        deadline = time.monotonic() + 10
+        while app.state.llmc.active:  # the first, abandoned by its client, is cancelled
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+    assert engine.blocks.stats.blocks_in_use == 0
+
+
+def test_a_client_leaving_mid_stream_frees_its_blocks(server):
+    url, engine, _ = server
+    with httpx.stream("POST", f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": "def", "max_tokens": 400, "temperature": 0, "stream": True}) as answer:
+        lines = answer.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert engine.has_unfinished()
+    # blocks_come_back checks every block is freed well before the 400 tokens would be done
+
+
+def test_draining_refuses_new_requests(server):
+    url, _, app = server
+    state = app.state.llmc
+    state.draining = True
+    try:
+        assert httpx.get(f"{url}/health").status_code == 503
+        answer = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
+    finally:
+        state.draining = False
+
+
+def test_metrics(server):
+    url, _, _ = server
+    client(url).completions.create(model=MODEL, prompt="a", max_tokens=4, temperature=0)
+    text = httpx.get(f"{url}/metrics").text
+    for name in ("llmc_queue_length", "llmc_running_sequences", "llmc_kv_utilization", "llmc_prefix_hit_rate",
+                 "llmc_generated_tokens_total", "llmc_time_to_first_token_seconds_bucket",
+                 "llmc_time_per_output_token_seconds_count"):
+        assert name in text, name
+    generated = next(float(line.split()[-1]) for line in text.splitlines()
+                     if line.startswith("llmc_generated_tokens_total"))
+    assert generated >= 4
+
+
+def test_load_every_completed_answer_equals_its_request_alone(server, alone):
+    """200 requests, 32 at a time, mixed lengths, every 10th cancelled by its client."""
+    url, _, _ = server
+    rng = random.Random(0)
+    words = ["def", "class", "import", "return", "self", "for", "in", "if", "(", ")", ":", "x", "print"]
+    jobs = [(" ".join(rng.choices(words, k=rng.randint(1, 20))), rng.randint(1, 24), i % 10 == 9) for i in range(200)]
+
+    async def one(http, semaphore, prompt, max_tokens, cancel):
+        async with semaphore:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            if cancel:
+                with contextlib.suppress(asyncio.TimeoutError, httpx.TimeoutException):
+                    await asyncio.wait_for(http.post(f"{url}/v1/completions", json=body), timeout=0.01)
+                return None
+            answer = await http.post(f"{url}/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["text"]
+
+    async def run():
+        semaphore = asyncio.Semaphore(32)
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(one(http, semaphore, *job) for job in jobs))
+
+    texts = asyncio.run(run())
+    for (prompt, max_tokens, cancel), text in zip(jobs, texts):
+        if not cancel:
+            assert text == alone(prompt, max_tokens)[0], prompt
+
+
+def test_llmc_serve_drains_on_sigterm(chat_engine):
+    """`llmc serve` as a user runs it: SIGTERM while a request runs lets it finish, then exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", str(chat_engine), "--port", str(port),
+                                "--model-name", MODEL], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.1)
+        result = {}
+        body = {"model": MODEL, "prompt": "def", "max_tokens": 400, "temperature": 0}
+        worker = threading.Thread(target=lambda: result.update(
+            answer=httpx.post(f"{url}/v1/completions", json=body, timeout=60)))
+        worker.start()
+        time.sleep(0.3)
+        process.send_signal(signal.SIGTERM)
+        worker.join(timeout=60)
+        assert result["answer"].status_code == 200
+        assert result["answer"].json()["usage"]["completion_tokens"] == 400  # finished, not cut
+        assert process.wait(timeout=60) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health")
+    finally:
+        if process.poll() is None:
+            process.kill()
