@@ -507,9 +507,12 @@ def _read_prompts(path: Path) -> list[str]:
 @click.option("--threads", default=None, type=int, help="CPU threads (default: every core).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write TTFT/TPOT histograms and throughput over time (PNG).")
+@click.option("--url", help="Send the workload to this OpenAI-compatible server (e.g. `llmc serve ENGINE`'s "
+              "http://127.0.0.1:8000) as streamed requests instead of running ENGINE here; ENGINE still draws it.")
+@click.option("--model", help="With --url: the model name to ask for (default: the server's first).")
 def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_len_max, prompts_file, rate, batch,
-          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot):
-    """Serve a synthetic workload with ENGINE and report throughput and latency."""
+          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot, url, model):
+    """Serve a synthetic workload with ENGINE (or the server at --url) and report throughput and latency."""
     from llmc.runtime import bench as serving
 
     if batch is not None and batch < 1:
@@ -524,6 +527,12 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
         requests = len(prompts) if prompts else 64
     spec = serving.WorkloadSpec(requests=requests, prompt_len=prompt_len, prompt_len_max=prompt_len_max,
                                 output_len=output_len, output_len_max=output_len_max, rate=rate, seed=seed)
+    if url is not None:
+        _bench_url(url, model, _existing(engine_path), spec, prompts, batch, as_json, plot, max_num_seqs,
+                   max_num_batched_tokens)
+        return
+    if model is not None:
+        raise LlmcError("--model: only with --url")
     if plot:
         serving.require_matplotlib()
     _share_threads(threads)
@@ -536,6 +545,28 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
     if plot:
         serving.plot(result, plot, title=f"llmc bench {Path(engine_path).name}: {summary['requests']} requests")
         _progress(f"wrote {plot}")
+
+
+def _bench_url(url, model, engine_path, spec, prompts, batch, as_json, plot, max_num_seqs, max_num_batched_tokens):
+    """`llmc bench --url`: the workload ENGINE draws, through the server's HTTP API."""
+    from llmc.formats.engine_file import read_engine
+    from llmc.runtime import bench as serving
+    from llmc.runtime.bench_http import run_http_workload
+    from llmc.runtime.engine import load_tokenizer
+
+    for option, value in (("--plot", plot), ("--max-num-seqs", max_num_seqs),
+                          ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if value is not None:
+            raise LlmcError(f"{option}: not with --url (the server's own settings apply)")
+    engine = read_engine(engine_path, verify=False)
+    tokenizer = load_tokenizer(engine)
+    ids = None if prompts is None else [tokenizer.encode(p) for p in prompts]
+    workload = serving.make_workload(spec, engine.manifest.geometry.vocab_size, ids)
+    with click.progressbar(length=sum(r.output_len for r in workload), label=f"llmc bench {url}",
+                           file=sys.stderr) as bar:
+        result = run_http_workload(url, model, workload, progress=bar.update, concurrency=batch)
+    summary = serving.summarize(result)
+    click.echo(json.dumps(summary) if as_json else serving.render(summary))
 
 
 @main.command()

@@ -194,6 +194,9 @@ class _ServerState:
         if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and len(stop) <= 4
                                                                 and all(isinstance(s, str) for s in stop))):
             raise ApiError(400, "stop must be a string or a list of at most 4 strings", param="stop")
+        ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: fixed output lengths (benchmarks)
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(400, "ignore_eos must be true or false", param="ignore_eos")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ApiError(400, "seed must be an integer", param="seed")
@@ -201,7 +204,7 @@ class _ServerState:
             params = [SamplingParams(
                 max_new_tokens=max_tokens, temperature=_number(body, "temperature", DEFAULT_TEMPERATURE),
                 top_p=_number(body, "top_p", 1.0), presence_penalty=_number(body, "presence_penalty", 0.0),
-                seed=None if seed is None else seed + i, stop=() if stop is None else stop)
+                seed=None if seed is None else seed + i, stop=() if stop is None else stop, ignore_eos=ignore_eos)
                 for i in range(n)]
         except LlmcError as error:
             raise ApiError(400, str(error), param=str(error).split(" ")[0]) from None
@@ -338,8 +341,8 @@ class _ServerState:
         total = 0
         async for index, text, reason, tokens in self._merged(job):
             total += tokens
-            if not text and reason is None:
-                continue
+            if not tokens and not text and reason is None:
+                continue  # a chunk per step that made tokens, even while their text is held back
             choice = ({"index": index, "delta": {"content": text} if text else {}, "finish_reason": reason}
                       if job.chat else {"index": index, "text": text, "logprobs": None, "finish_reason": reason})
             yield {**head, "choices": [choice], **({"usage": None} if job.include_usage else {})}

@@ -316,3 +316,33 @@ def test_llmc_serve_drains_on_sigterm(chat_engine):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+@pytest.mark.parametrize("mode", [[], ["--batch", "2"], ["--rate", "50"]])
+def test_bench_over_http_serves_the_same_workload(server, chat_engine, mode):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    url, _, _ = server
+    args = ["bench", str(chat_engine), "--requests", "6", "--prompt-len", "8", "--output-len", "5",
+            "--output-len-max", "9", "--json", *mode]
+    over_http = CliRunner().invoke(main, [*args, "--url", url])
+    here = CliRunner().invoke(main, args)
+    assert over_http.exit_code == 0 and here.exit_code == 0, over_http.output + here.output
+    remote, local = json.loads(over_http.stdout), json.loads(here.stdout)
+    assert remote["requests"] == local["requests"] == 6 and remote["errors"] == 0
+    assert remote["output_tokens"] == local["output_tokens"]  # exact lengths: ignore_eos reaches the server
+    assert remote["input_tokens"] == local["input_tokens"]
+    assert remote["ttft_ms_p50"] > 0 and remote["throughput_tok_s"] > 0
+
+
+def test_bench_url_errors_are_one_line(chat_engine, tmp_path):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    result = CliRunner().invoke(main, ["bench", str(chat_engine), "--url", "http://127.0.0.1:9", "--requests", "1"])
+    assert result.exit_code == 2 and "no OpenAI-compatible server answers there" in result.stderr
+    result = CliRunner().invoke(main, ["bench", str(chat_engine), "--model", "x"])
+    assert result.exit_code == 2 and "--model: only with --url" in result.stderr
