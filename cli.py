@@ -320,8 +320,11 @@ def inspect(path, as_json):
               help="Scheduler: priority (a request's \"priority\" field, lower first, then arrival) or fifo.")
 @click.option("--threads", type=int, help="CPU threads (default: every core).")
 @click.option("--kv-pool-mb", type=float, help="KV pool size (default: the compiled size or the load-time rule).")
+@click.option("--ray", "use_ray", is_flag=True, help="Serve replicas as Ray Serve deployments behind Ray's HTTP proxy "
+              "(a local Ray cluster, or RAY_ADDRESS's).")
+@click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: engine replicas.")
 def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_batched_tokens, max_wait_ms, policy,
-          threads, kv_pool_mb):
+          threads, kv_pool_mb, use_ray, replicas):
     """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
     import importlib.util
 
@@ -339,10 +342,23 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
     paged = read_manifest(_existing(engine))["paged"]
     if not paged:
         raise LlmcError(f"{engine}: llmc serve needs a paged engine (compiled without --no-paged)")
-    config = SchedulerConfig(max_num_seqs=max_num_seqs or paged["max_batch"], max_wait_ms=max_wait_ms, policy=policy,
-                             **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {}))
-    loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb)
+    scheduler = {"max_num_seqs": max_num_seqs or paged["max_batch"], "max_wait_ms": max_wait_ms, "policy": policy,
+                 **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {})}
+    config = SchedulerConfig(**scheduler)  # a bad value fails here, before any replica starts
     name = model_name or Path(engine).stem
+    if use_ray:
+        from llmc import server_ray
+
+        cores = os.cpu_count() or 1
+        app = server_ray.application(str(Path(engine).resolve()), ServerOptions(model_name=name, max_waiting=max_waiting),
+                                     scheduler, replicas, cpus_per_replica=cores / replicas,
+                                     threads=threads or max(1, cores // replicas), kv_pool_mb=kv_pool_mb)
+        click.echo(f"serving {name} on http://{host}:{port}/v1 with {replicas} Ray Serve replicas (Ctrl-C or "
+                   f"SIGTERM stops)", err=True)
+        server_ray.run(app, host, port)
+        return
+    _share_threads(threads)
+    loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb)
     app = create_app(loaded, ServerOptions(model_name=name, max_waiting=max_waiting))
     click.echo(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops)", err=True)
     run_server(app, host, port)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -78,8 +79,8 @@ def create_app(engine: Engine, options: ServerOptions):
 
     async def health(request: Request):
         if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "draining", "pid": os.getpid()}, status_code=503)
+        return JSONResponse({"status": "ok", "pid": os.getpid()})  # the pid tells replicas apart
 
     async def metrics(request: Request):
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

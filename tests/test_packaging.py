@@ -43,7 +43,8 @@ FORBIDDEN = {
     "compiler": {"runtime", "llm", "cli"},
     "models": {"compiler", "passes", "precision", "runtime", "plugins", "formats", "llm", "cli"},
     "llm": {"compiler", "passes", "precision", "models", "cli"},
-    "server": {"compiler", "passes", "precision", "models", "cli", "llm"},
+    "server": {"compiler", "passes", "precision", "models", "cli", "llm", "server_ray"},
+    "server_ray": {"compiler", "passes", "precision", "models", "cli", "llm"},
     "tokenizer": {"compiler", "passes", "precision", "runtime", "models", "plugins", "formats", "llm", "cli"},
 }
 
