@@ -339,6 +339,8 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
 
     if max_waiting < 0:
         raise LlmcError(f"--max-waiting: must be ≥ 0, got {max_waiting}")
+    if replicas < 1:
+        raise LlmcError(f"--replicas: must be ≥ 1, got {replicas}")
     paged = read_manifest(_existing(engine))["paged"]
     if not paged:
         raise LlmcError(f"{engine}: llmc serve needs a paged engine (compiled without --no-paged)")

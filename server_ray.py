@@ -43,8 +43,6 @@ def application(engine_path: str, options: ServerOptions | dict, scheduler: dict
                 kv_pool_mb: float | None = None):
     """The Ray Serve application: `replicas` copies of the server for `engine_path`."""
     serve = require_ray()
-    if replicas < 1:
-        raise LlmcError(f"--replicas: must be ≥ 1, got {replicas}")
     if isinstance(options, dict):  # from a Serve config file's args
         options = ServerOptions(**options)
     deployment = serve.deployment(name="llmc", num_replicas=replicas,
