@@ -1,17 +1,19 @@
 """Streaming many requests at once: `async for output in engine.generate(prompt, params)`.
 
-One serving task drives the shared `Engine` while any request is unfinished and hands each step's
-outputs to the queue of the request they belong to, so every caller streams its own tokens while
-the others run in the same batches. Steps run in a worker thread (a step is milliseconds to
-seconds of onnxruntime work that must not block the event loop), and only that thread touches the
-engine: new requests and aborts are queued on the event loop and applied by the worker just
-before its next step. A step that fails fails the requests it held, with the error; the others
-keep streaming.
+One worker thread drives the shared `Engine` while any request is unfinished and hands each
+step's outputs to the event loop, which puts them in the queue of the request they belong to, so
+every caller streams its own tokens while the others run in the same batches. Only that thread
+touches the engine: new requests and aborts are queued (from the event loop) and applied by the
+worker just before its next step. It steps back to back, without waiting for the event loop to
+hand each step over: the loop's own work (a server's JSON and sockets) runs beside the steps,
+not between them. A step that fails fails the requests it held, with the error; the others keep
+streaming.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import AsyncIterator, Sequence
 
 from llmc.runtime.engine import Engine, RequestOutput
@@ -30,9 +32,14 @@ class AsyncEngine:
         self.engine = engine
         self._queues: dict[str, asyncio.Queue] = {}
         # Filled on the event loop, applied by the worker thread before its next step.
+        self._lock = threading.Lock()
         self._adds: list[Request] = []
         self._aborts: list[str] = []
-        self._serving: asyncio.Task | None = None
+        self._submitted = 0  # submissions so far (under the lock)
+        self._wake = threading.Event()
+        self._worker: threading.Thread | None = None
+        self._idle: asyncio.Event | None = None  # set while the worker has nothing to do
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -44,8 +51,7 @@ class AsyncEngine:
         request = self.engine.request(prompt, params, priority=priority)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
-        self._adds.append(request)
-        self._serve_soon()
+        self._submit(adds=[request])
         try:
             while True:
                 output = await queue.get()
@@ -56,45 +62,65 @@ class AsyncEngine:
                     return
         finally:
             if self._queues.pop(request.request_id, None) is not None:  # left before the end
-                self._aborts.append(request.request_id)
-                self._serve_soon()
+                self._submit(aborts=[request.request_id])
 
     async def wait_idle(self) -> None:
         """Return once no request is left (aborts included)."""
-        while self._serving is not None and not self._serving.done():
-            await self._serving
+        if self._idle is not None:
+            await self._idle.wait()
 
-    def _serve_soon(self) -> None:
-        if self._serving is None or self._serving.done():
-            self._serving = asyncio.create_task(self._serve())
+    def _submit(self, adds: list[Request] = (), aborts: list[str] = ()) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first use, or a new event loop (the worker delivers to it)
+            self._loop, self._idle = loop, asyncio.Event()
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._run, name="llmc-engine-steps", daemon=True)
+            self._worker.start()
+        self._idle.clear()
+        with self._lock:
+            self._adds += adds
+            self._aborts += aborts
+            self._submitted += 1
+        self._wake.set()
 
-    async def _serve(self) -> None:
+    def _deliver(self, outputs: list[RequestOutput], idle_after: int | None) -> None:
+        """On the event loop: each output to its request's queue; `idle_after`: the worker went
+        idle having taken every submission up to this count."""
+        for output in outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+        if idle_after is not None and idle_after == self._submitted:
+            self._idle.set()
+
+    def _run(self) -> None:
+        """The worker thread: the only code that touches the engine while serving."""
         while True:
-            adds, aborts = self._adds, self._aborts
-            self._adds, self._aborts = [], []
+            self._wake.wait()
+            with self._lock:
+                adds, aborts, taken = self._adds, self._aborts, self._submitted
+                self._adds, self._aborts = [], []
+                self._wake.clear()
+            outputs = []
+            for request in adds:
+                try:
+                    self.engine.add(request)
+                except Exception as error:
+                    outputs.append(RequestOutput(request.request_id, [], "", True, "error", error))
+            for request_id in aborts:
+                self.engine.abort(request_id)
+            if self.engine.has_unfinished():
+                try:
+                    outputs += self.engine.step()
+                except Exception as error:  # not a request's fault (those come back as outputs)
+                    failed = [r.request_id for r in self.engine.scheduler.running + self.engine.scheduler.waiting]
+                    for request_id in failed:
+                        self.engine.abort(request_id)
+                    outputs += [RequestOutput(request_id, [], "", True, "error", error) for request_id in failed]
+            idle = not self.engine.has_unfinished()
+            if not idle:
+                self._wake.set()  # step again at once
             try:
-                outputs = await asyncio.to_thread(self._step, adds, aborts)
-            except Exception as error:  # not a request's fault (those come back as outputs)
-                outputs = [RequestOutput(request_id, [], "", True, "error", error) for request_id in self._queues]
-                for request_id in self._queues:
-                    self.engine.abort(request_id)
-            for output in outputs:
-                queue = self._queues.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
-            if not (self._adds or self._aborts or self.engine.has_unfinished()):
-                return
-
-    def _step(self, adds: list[Request], aborts: list[str]) -> list[RequestOutput]:
-        """The worker thread's turn: the only code that touches the engine while serving."""
-        outputs = []
-        for request in adds:
-            try:
-                self.engine.add(request)
-            except Exception as error:
-                outputs.append(RequestOutput(request.request_id, [], "", True, "error", error))
-        for request_id in aborts:
-            self.engine.abort(request_id)
-        if self.engine.has_unfinished():
-            outputs += self.engine.step()
-        return outputs
+                self._loop.call_soon_threadsafe(self._deliver, outputs, taken if idle else None)
+            except RuntimeError:  # the event loop is closed: its callers are gone
+                pass
