@@ -45,3 +45,21 @@ def trained_onnx(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("pystdlib") / "model.onnx"
     export(str(Path(__file__).resolve().parents[1] / "data" / "pystdlib-llama"), path)
     return path
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_engine(tiny_llama_onnx, tmp_path_factory) -> Path:
+    """tiny-llama compiled with its byte-level tokenizer given a chat template (CHAT_TEMPLATE)."""
+    from llmc.compiler.build import compile_model
+    from llmc.tokenizer import byte_level_tokenizer
+
+    folder = tmp_path_factory.mktemp("chat-tokenizer")
+    byte_level_tokenizer().save(folder)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    path = folder / "chat.plan"
+    compile_model(tiny_llama_onnx, path, tokenizer=folder)
+    return path

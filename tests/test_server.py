@@ -19,27 +19,13 @@ import httpx
 import pytest
 
 from llmc import LLM, SamplingParams
-from llmc.compiler.build import compile_model
 from llmc.runtime.engine import Engine
 from llmc.server import ServerOptions, create_app
-from llmc.tokenizer import byte_level_tokenizer
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def chat_engine(tiny_llama_onnx, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("chat-tokenizer")
-    byte_level_tokenizer().save(folder)
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
-    path = folder / "chat.plan"
-    compile_model(tiny_llama_onnx, path, tokenizer=folder)
-    return path
 
 
 @contextlib.contextmanager

@@ -14,11 +14,11 @@ from llmc.server import ServerOptions
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from test_server import MODEL, chat_engine  # noqa: E402,F401  (the fixture)
+from test_server import MODEL  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def ray_url(chat_engine):  # noqa: F811
+def ray_url(chat_engine):
     import ray
 
     from llmc.server_ray import application
@@ -42,7 +42,7 @@ def test_both_replicas_answer_through_the_proxy(ray_url):
     assert len(pids) == 2, pids
 
 
-def test_completions_and_streams_through_the_proxy_equal_the_request_alone(ray_url, chat_engine):  # noqa: F811
+def test_completions_and_streams_through_the_proxy_equal_the_request_alone(ray_url, chat_engine):
     api = openai.OpenAI(base_url=f"{ray_url}/v1", api_key="unused", max_retries=0)
     (alone,) = LLM(chat_engine).generate(["def fibonacci("], SamplingParams(max_new_tokens=12))
     for _ in range(4):  # over both replicas
@@ -55,7 +55,7 @@ def test_completions_and_streams_through_the_proxy_equal_the_request_alone(ray_u
     assert bad.status_code == 404 and bad.json()["error"]["param"] == "model"
 
 
-def test_bad_replica_count_is_one_line(chat_engine):  # noqa: F811
+def test_bad_replica_count_is_one_line(chat_engine):
     from click.testing import CliRunner
 
     from llmc.cli import main
