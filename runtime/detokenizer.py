@@ -96,12 +96,17 @@ class IncrementalText:
         return self._cut(settled, tentative)
 
     def flush(self) -> str:
-        """Emit everything held back, at the end of a request not ended by a stop string:
-        a tail that was the start of a stop string, a character whose bytes never all came."""
+        """Emit everything held back, at the end of a request not ended by a stop string: a tail
+        that was the start of a stop string. A last character whose bytes never all came (one
+        U+FFFD at the very end: the output was cut inside it) is dropped, not shown as a
+        replacement character; a run of invalid bytes still shows as one U+FFFD each."""
         if self._stopped:
             return ""
         window = self._decode(self._ids)
         delta = self._pending + window[len(self._prefix):]
+        before = next((part[-1] for part in reversed(self._parts) if part), "")  # the last character emitted
+        if delta.endswith("\ufffd") and not (delta[:-1] or before).endswith("\ufffd"):
+            delta = delta[:-1]
         self._pending, self._ids, self._read, self._prefix = "", [], 0, ""
         self._parts.append(delta)
         return delta

@@ -41,7 +41,10 @@ def reference(tok: Tokenizer, ids: list[int], stop: list[str]) -> tuple[str, int
         found = [at for at in (text.find(s) for s in stop) if at >= 0]
         if found:
             return text[:min(found)], i
-    return tok.decode(ids), None
+    text = tok.decode(ids)
+    if text.endswith("\ufffd") and not text.endswith("\ufffd\ufffd"):
+        text = text[:-1]  # cut inside a character: dropped, not shown as a replacement character
+    return text, None
 
 
 def run(tok: Tokenizer, prompt: list[int], ids: list[int], stop: list[str]) -> tuple[list[str], int | None, str]:
@@ -133,14 +136,15 @@ def test_a_character_split_across_tokens_is_emitted_when_complete():
     assert inc.flush() == ""
 
 
-def test_flush_emits_a_partial_character_and_a_partial_stop_string():
+def test_flush_emits_a_partial_stop_string_and_drops_a_partial_character():
     inc = IncrementalText(BYTES, stop=["STOP"])
     assert [inc.add(t)[0] for t in BYTES.encode("abST")[1:]] == ["a", "b", "", ""]
     assert inc.flush() == "ST"
     inc = IncrementalText(BYTES)
+    assert inc.add(BYTES.encode("x")[1])[0] == "x"
     assert inc.add(BYTES.encode("é")[1])[0] == ""  # the first of its two bytes
-    assert inc.flush() == "\ufffd"
-    assert inc.text == BYTES.decode(BYTES.encode("é")[1:2])
+    assert inc.flush() == ""  # cut inside a character: dropped, never a replacement character
+    assert inc.text == "x"
 
 
 def test_stop_string_is_cut_and_reported_at_its_token():
