@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -200,11 +201,13 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--workspace-mb", type=float, default=None, help="TensorRT: builder workspace limit (default: the GPU's memory).")
 @click.option("--hardware-compatible", is_flag=True, help="TensorRT: an engine for any Ampere-or-newer GPU.")
 @click.option("--version-compatible", is_flag=True, help="TensorRT: an engine later TensorRT 11 releases can run.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout (engine, sha256, backend, "
+              "precision, geometry, passes, build time, warnings); progress stays on stderr.")
 def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, block_size,
                     max_batch, max_seq_len, kv_pool_mb, kv_cache_dtype, fp16, int8_calib, calibrator, smoothquant,
                     int8_dynamic, calib_tokens, weights, weights_block_size, precision_config, calib, max_ppl_increase,
                     force, dry_run, max_num_tokens, builder_optimization_level, timing_cache, workspace_mb,
-                    hardware_compatible, version_compatible):
+                    hardware_compatible, version_compatible, as_json):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
     from llmc.compiler.paged_engine import KV_DTYPES, PagedOptions
@@ -224,14 +227,30 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
         options = PagedOptions(max_batch=max_batch, max_seq_len=max_seq_len, kv_pool_mb=kv_pool_mb,
                                kv_dtype=KV_DTYPES[kv_cache_dtype],
                                **({"block_size": block_size} if block_size is not None else {}))
+    warnings: list[str] = []
+
+    def progress(message: str) -> None:
+        if message.startswith("warning:"):
+            warnings.append(message[len("warning:"):].strip())
+        _progress(message)
+
+    start = time.perf_counter()
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
                              passes=_pass_names(passes), verify=verify, paged=options,
                              precision=PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens,
                                                         weights, weights_block_size, precision_config, int8_dynamic,
                                                         calib, max_ppl_increase, force),
-                             tensorrt=tensorrt, progress=_progress)
+                             tensorrt=tensorrt, progress=progress)
     if dry_run:
+        if as_json:
+            click.echo(json.dumps({"dry_run": True, "backend": backend, **manifest["tensorrt_check"]}))
+            if manifest["tensorrt_check"]["unsupported"]:
+                sys.exit(2)
+            return
         _report_dry_run(manifest)
+        return
+    if as_json:
+        click.echo(json.dumps(_compile_summary(Path(output), manifest, time.perf_counter() - start, warnings)))
         return
     steps = manifest["optimization"]
     if steps:
@@ -241,6 +260,33 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
     g = manifest["geometry"]
     click.echo(f"wrote {output}: {manifest['backend']}, {manifest['dtype']}, {g['num_layers']} layers, "
                f"vocab {g['vocab_size']}, {g['max_positions']} positions")
+
+
+def _compile_summary(engine: Path, manifest: dict, seconds: float, warnings: list[str]) -> dict:
+    """`llmc compile --json`: what a CI job records of a build."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(engine, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    precision = manifest.get("precision") or {}
+    paged = manifest.get("paged")
+    return {"engine": str(engine), "sha256": digest.hexdigest(), "bytes": engine.stat().st_size,
+            "backend": manifest["backend"], "dtype": manifest["dtype"],
+            "precision": None if not precision else {
+                "fp16": precision.get("fp16", False), "accuracy": precision.get("accuracy"),
+                "linears": {kind: list(precision["linears"].values()).count(kind)
+                            for kind in sorted(set(precision.get("linears", {}).values()))}},
+            "geometry": manifest["geometry"],
+            "paged": None if not paged else {k: paged[k] for k in ("block_size", "max_batch", "max_seq_len", "num_blocks",
+                                                                   "kv_dtype")},
+            "nodes": {"source": manifest["source"]["nodes"],
+                      "final": manifest["optimization"][-1]["nodes_after"] if manifest["optimization"] else None},
+            "passes": {e["pass"]: e["matches"] for e in manifest["optimization"]},
+            "source_sha256": manifest["source"]["sha256"], "llmc_version": manifest["llmc_version"],
+            **({"tensorrt": manifest["tensorrt"]} if manifest.get("tensorrt") else {}),
+            "build_s": round(seconds, 2), "warnings": warnings}
 
 
 def _report_dry_run(manifest: dict) -> None:

@@ -256,3 +256,31 @@ def test_export_failure_leaves_no_output(tmp_path, monkeypatch):
     monkeypatch.setattr(onnx_io.onnx, "save_model", broken)  # the exporter saves through onnx_io
     assert_refused(llmc("export", "tiny-llama", "-o", tmp_path / "m.onnx", "--no-check"), "no space left on device")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_json_is_one_summary_a_ci_job_can_record(tiny_llama_onnx, tmp_path):
+    import hashlib
+
+    engine = tmp_path / "engine.plan"
+    result = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(engine), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)  # stdout holds the JSON alone; progress went to stderr
+    assert summary["engine"] == str(engine) and summary["bytes"] == engine.stat().st_size
+    assert summary["sha256"] == hashlib.sha256(engine.read_bytes()).hexdigest()
+    assert summary["backend"] == "onnxruntime" and summary["dtype"] == "float32" and summary["precision"] is None
+    assert summary["geometry"]["num_layers"] == 4 and summary["paged"]["block_size"] == 16
+    assert summary["passes"]["fuse-attention"] == 4 and summary["nodes"]["final"] < summary["nodes"]["source"]
+    assert summary["build_s"] > 0 and summary["warnings"] == []
+    quantized = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(tmp_path / "q.plan"), "--json",
+                                          "--weights", "int8", "--force"])
+    assert quantized.exit_code == 0, quantized.output
+    # qkv, o, gate+up (merged siblings), down per layer, and lm_head
+    assert json.loads(quantized.stdout)["precision"]["linears"] == {"int8-weights": 4 * 4 + 1}
+
+
+def test_dry_run_json_exits_2_with_the_nodes_at_fault(tiny_llama_onnx, tmp_path):
+    result = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(tmp_path / "e.plan"), "--backend",
+                                       "tensorrt", "--dry-run", "--json", "--int8-dynamic", "--force"])
+    assert result.exit_code == 2
+    check = json.loads(result.stdout)
+    assert check["dry_run"] and check["unsupported"] and all("computed at run time" in u for u in check["unsupported"])
