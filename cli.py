@@ -311,7 +311,8 @@ def _report_dry_run(manifest: dict) -> None:
 
 @main.command()
 @click.argument("path", type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON; for an engine, with \"deploy\": whether it "
+              "runs on this machine (exit 2 if not).")
 def inspect(path, as_json):
     """Show what is inside an engine file or an ONNX model."""
     from llmc.formats.engine_file import MAGIC, read_manifest
@@ -324,7 +325,13 @@ def inspect(path, as_json):
     engine = path
     manifest = read_manifest(engine)
     if as_json:
-        click.echo(json.dumps(manifest, indent=2))
+        from llmc.runtime.deploy_check import deploy_checks
+
+        checks = deploy_checks(engine)
+        runs_here = all(c["ok"] for c in checks)
+        click.echo(json.dumps({**manifest, "deploy": {"runs_here": runs_here, "checks": checks}}, indent=2))
+        if not runs_here:
+            sys.exit(2)
         return
     g = manifest["geometry"]  # read_manifest checked every field against the schema
     lines = [f"engine        {engine} (format {manifest['format_version']}, llmc {manifest['llmc_version']})",

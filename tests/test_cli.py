@@ -284,3 +284,17 @@ def test_dry_run_json_exits_2_with_the_nodes_at_fault(tiny_llama_onnx, tmp_path)
     assert result.exit_code == 2
     check = json.loads(result.stdout)
     assert check["dry_run"] and check["unsupported"] and all("computed at run time" in u for u in check["unsupported"])
+
+
+def test_inspect_json_says_whether_the_engine_runs_here(engine_copy):
+    result = llmc("inspect", engine_copy, "--json")
+    assert result.exit_code == 0, result.output
+    deploy = json.loads(result.stdout)["deploy"]
+    assert deploy["runs_here"] and {c["check"] for c in deploy["checks"]} >= {"engine file", "onnxruntime", "numba"}
+    data = bytearray(open(engine_copy, "rb").read())
+    data[len(data) // 2] ^= 0x5A
+    open(engine_copy, "wb").write(bytes(data))
+    result = llmc("inspect", engine_copy, "--json")
+    assert result.exit_code == 2
+    (failed,) = [c for c in json.loads(result.stdout)["deploy"]["checks"] if not c["ok"]]
+    assert failed["check"] == "engine file" and "checksum mismatch in section 'model.onnx.data'" in failed["detail"]

@@ -203,6 +203,28 @@ def test_no_gpu_fails_before_building(trt, tiny_llama_onnx, tmp_path, monkeypatc
     assert "Builder" not in trt.used and list(tmp_path.iterdir()) == []
 
 
+# The fixture's engine is built hardware-compatible: any Ampere-or-newer GPU runs it.
+@pytest.mark.parametrize("gpu, runs", [(None, False), ("9.0", True), ("8.0", True), ("7.5", False)])
+def test_deploy_check_of_a_tensorrt_engine(built_engine, monkeypatch, gpu, runs):
+    from llmc.plugins import cuda_device
+    from llmc.runtime.deploy_check import deploy_checks
+
+    path, _, _ = built_engine
+
+    def current_gpu():
+        if gpu is None:
+            raise LlmcError("no NVIDIA GPU found (neither torch.cuda nor nvidia-smi sees one)")
+        return {"name": "NVIDIA X", "compute_capability": gpu}
+
+    monkeypatch.setattr(cuda_device, "current_gpu", current_gpu)
+    checks = deploy_checks(str(path))
+    assert all(c["ok"] for c in checks) == runs, checks
+    if not runs:
+        detail = checks[-1]["detail"]
+        assert ("no NVIDIA GPU" in detail) if gpu is None else ("NVIDIA H200 (compute capability 9.0)" in detail
+                                                                 and "NVIDIA X (7.5)" in detail)
+
+
 class _FakeExecution:
     """TensorRT's engine and execution context as the runtime backend calls them: shapes follow
     the bound inputs, and a step writes outputs derived from its inputs (keys = token id + layer,
