@@ -3,21 +3,35 @@
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_wheel_installs_only_the_llmc_namespace(tmp_path):
+# The package's own folders (the repository root is the llmc package); everything else in the
+# checkout (tests, benchmarks, scripts, docs, the trained model) stays out of the wheel.
+NOT_PACKAGED = {"tests", "bench", "scripts", "docs", "data", "build", "out", ".ci"}
+MAX_WHEEL_BYTES = 1 << 20  # 0.29 MB today: the code and precision/text only
+
+
+def test_wheel_and_sdist_build_and_the_wheel_holds_the_package_only(tmp_path):
     # Build from a copy: setuptools leaves a build/ folder in the source tree.
     source = shutil.copytree(REPO, tmp_path / "src", ignore=shutil.ignore_patterns(
-        ".git", "build", "out", "*.egg-info", "__pycache__", ".pytest_cache"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(source)], check=True, capture_output=True)
-    (wheel,) = tmp_path.glob("llmc-*.whl")
+        ".git", "build", "out", "*.egg-info", "__pycache__", ".pytest_cache", ".work", ".hypothesis"))
+    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(source)],
+                   check=True, capture_output=True)
+    (wheel,), (sdist,) = tmp_path.glob("llmc-*.whl"), tmp_path.glob("llmc-*.tar.gz")
+    assert wheel.stat().st_size < MAX_WHEEL_BYTES, wheel.stat().st_size
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"llmc", "llmc-0.1.0.dist-info"}
+    modules = {f"llmc/{p.relative_to(REPO)}" for p in REPO.rglob("*.py")
+               if p.relative_to(REPO).parts[0] not in NOT_PACKAGED and not p.relative_to(REPO).parts[0].startswith(".")}
+    assert modules - set(names) == set(), "modules missing from the wheel (pyproject's packages list)"
+    assert not [n for n in names if n.split("/")[1] in NOT_PACKAGED]
+    with tarfile.open(sdist) as archive:
+        assert "llmc-0.1.0/pyproject.toml" in archive.getnames()
     for module in ("llmc/cli.py", "llmc/compiler/export.py", "llmc/runtime/sampler.py",
                    "llmc/models/decoder.py"):
         assert module in names
