@@ -234,9 +234,9 @@ class _ServerState:
                 text = tokenizer.apply_chat_template(messages)
             except LlmcError as error:
                 raise ApiError(400, str(error), param="messages") from None
-            # The template writes the special tokens itself; BOS only if it did not.
-            ids = tokenizer.inner.encode(text, add_special_tokens=False).ids
-            return ids
+            # The template writes the special tokens itself (BOS too, where the model has one), as
+            # transformers' apply_chat_template(tokenize=True) encodes it.
+            return tokenizer.inner.encode(text, add_special_tokens=False).ids
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
