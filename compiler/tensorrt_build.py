@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import onnx
 
-from llmc.compiler.tensorrt_network import PLUGINS, TensorRTOptions
+from llmc.compiler.tensorrt_network import PLUGIN_VERSION, PLUGINS, TensorRTOptions
 from llmc.errors import LlmcError
 from llmc.plugins.cuda_device import current_gpu
 from llmc.formats.onnx_io import save_onnx
@@ -104,7 +104,7 @@ def build_engine(model: onnx.ModelProto, profile: dict[str, tuple[tuple[int, ...
 def describe(trt: Any, gpu: dict[str, str], options: TensorRTOptions, seconds: float) -> dict[str, Any]:
     """What an engine needs at load: TensorRT version, GPU, plugins, build options."""
     return {"version": trt.__version__, "gpu": gpu["name"], "compute_capability": gpu["compute_capability"],
-            "plugins": {plugin_id: "1" for plugin_id in PLUGINS.values()},
+            "plugins": {plugin_id: PLUGIN_VERSION for plugin_id in PLUGINS.values()},
             "hardware_compatible": options.hardware_compatible, "version_compatible": options.version_compatible,
             "optimization_level": options.optimization_level, "max_num_tokens": options.max_num_tokens,
             "build_s": round(seconds, 1)}

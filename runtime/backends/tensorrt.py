@@ -4,8 +4,8 @@ new keys and values stored into the pool afterwards.
 
 The engine (compiler/tensorrt_build.py) runs the whole graph, the ``llmc::paged_attention``
 plugin inside it reading the pool in place. This object owns the device side: the KV pool (one
-key and one value tensor per layer, torch on the GPU), one execution context and one CUDA
-stream. Inputs and outputs are bound by address (`set_tensor_address`), so nothing is copied
+key and one value tensor per layer, torch on the GPU), one execution context, and runs everything
+on torch's current CUDA stream. Inputs and outputs are bound by address (`set_tensor_address`), so nothing is copied
 but the step's few index arrays in and the logits rows out; the pool is bound once. The new
 keys and values come out of the graph and are scattered into the pool's slots by one indexed
 store per layer on the same stream, as the CPU backend does; copy-on-write copies pool blocks
@@ -22,7 +22,6 @@ runs there on the CPU with a stand-in for TensorRT's core.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -114,7 +113,6 @@ class TensorRTDecoder:
             self._context.set_tensor_address(name, pool.data_ptr())
         self._outputs = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)
                          if self._engine.get_tensor_mode(self._engine.get_tensor_name(i)) == trt.TensorIOMode.OUTPUT]
-        self._stream = torch.cuda.Stream() if device == "cuda" else None
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
              rows: np.ndarray | None = None) -> np.ndarray:
@@ -137,19 +135,19 @@ class TensorRTDecoder:
             outputs[name] = torch.empty(shape, dtype=self._torch_type(self._engine.get_tensor_dtype(name)),
                                         device=self.device)
             self._context.set_tensor_address(name, outputs[name].data_ptr())
-        stream = self._stream.cuda_stream if self._stream is not None else 0
+        # torch's current stream for everything: the input copies before the engine, the stores
+        # and block copies after it are then ordered without events.
+        stream = torch.cuda.current_stream().cuda_stream if self.device == "cuda" else 0
         if not self._context.execute_async_v3(stream):
             raise LlmcError("TensorRT: the engine's step failed (its log above says why)")
         blocks, offsets = batch.slots(self.block_size)
-        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            index_blocks = torch.from_numpy(blocks).to(self.device)
-            index_offsets = torch.from_numpy(offsets).to(self.device)
-            for layer in range(self.geometry.num_layers):
-                for part in ("key", "value"):
-                    pool = self.pools[f"{part}_cache.{layer}"]
-                    pool[index_blocks, :, index_offsets] = outputs[f"new_{part}.{layer}"].to(pool.dtype)
-            logits = outputs["logits"][0].float().cpu()  # waits for the stream
-        return logits.numpy()
+        index_blocks = torch.from_numpy(blocks).to(self.device)
+        index_offsets = torch.from_numpy(offsets).to(self.device)
+        for layer in range(self.geometry.num_layers):
+            for part in ("key", "value"):
+                pool = self.pools[f"{part}_cache.{layer}"]
+                pool[index_blocks, :, index_offsets] = outputs[f"new_{part}.{layer}"].to(pool.dtype)
+        return outputs["logits"][0].float().cpu().numpy()  # the copy to the host waits for the stream
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: pool block `src` into `dst` for each pair, in every pool, on the device."""
