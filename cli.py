@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from llmc.errors import LlmcError, first_line
+from llmc.errors import LlmcError, first_line, missing_extra
 
 
 class _Group(click.Group):
@@ -21,7 +21,8 @@ class _Group(click.Group):
     LlmcError, and an OSError about a path (missing, unreadable, a folder where a file belongs)
     or the disk (full, read-only), print `llmc: error: <message>` and exit 2. Any other exception
     is a bug: one `llmc: internal error:` line and exit 1, with the traceback under --debug or
-    LLMC_DEBUG=1. Ctrl-C exits 130; a closed output pipe exits 141 without a word. click's own
+    LLMC_DEBUG=1, except an optional dependency that is not installed: one line naming the extra
+    that installs it (errors.EXTRA_MODULES), exit 2. Ctrl-C exits 130; a closed output pipe exits 141 without a word. click's own
     usage errors pass through (exit 2).
     """
 
@@ -32,6 +33,11 @@ class _Group(click.Group):
             raise
         except LlmcError as exc:
             _fail(f"llmc: error: {first_line(exc, 1000)}", 2)
+        except ModuleNotFoundError as exc:
+            message = missing_extra(exc, ctx.invoked_subcommand)
+            if message is None:
+                _internal_error(exc, ctx)
+            _fail(f"llmc: error: {message}", 2)
         except KeyboardInterrupt:
             _fail("llmc: interrupted", 130)
         except OSError as exc:
@@ -386,7 +392,7 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
     from llmc.runtime.scheduler import SchedulerConfig
     from llmc.server import ServerOptions, create_app, serve as run_server
 
-    missing = [m for m in ("starlette", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client", "jinja2") if importlib.util.find_spec(m) is None]
     if missing:
         raise LlmcError(f"llmc serve needs {', '.join(missing)}: pip install 'llmc[serve]'")
 

@@ -24,3 +24,28 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     """An exception's message cut to one line, for one-line errors wrapping a library's own."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:limit]
+
+
+# The optional dependencies: each extra of pyproject.toml and the top-level modules it installs
+# that llmc imports. `pip install llmc` holds only what running an engine needs.
+EXTRA_MODULES = {
+    "compile": {"onnx"},
+    "export": {"onnx", "torch", "onnxscript", "onnx_ir", "safetensors"},
+    "serve": {"starlette", "uvicorn", "prometheus_client", "jinja2"},
+    "ray": {"ray"},
+    "tensorrt": {"tensorrt", "polygraphy"},
+    "gpu": {"triton"},
+    "bench": {"httpx", "matplotlib", "onnxruntime_genai"},
+}
+
+
+def missing_extra(exc: ModuleNotFoundError, command: str) -> str | None:
+    """The one-line message for an optional dependency that is not installed, naming the extra
+    that installs it: the command's own (`llmc export` needs llmc[export]) when that has it, else
+    the first that does; None when the module is not one of llmc's optional ones (a bug)."""
+    module = (exc.name or "").split(".")[0]
+    extras = [e for e, modules in EXTRA_MODULES.items() if module in modules]
+    if not extras:
+        return None
+    extra = command if command in extras else extras[0]
+    return f"llmc {command} needs {module}, which is not installed: pip install 'llmc[{extra}]'"

@@ -4,7 +4,7 @@
 # library (data/pystdlib-llama), which generates. Everything lands in out/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q --root-user-action=ignore -e .
+python -m pip install -q --root-user-action=ignore -e ".[export]"
 mkdir -p out
 llmc export tiny-llama -o out/model.onnx
 llmc compile out/model.onnx -o out/engine.plan

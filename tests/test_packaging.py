@@ -1,11 +1,14 @@
 """Packaging: everything installs under the llmc namespace, and start-up stays light."""
 
+import json
 import shutil
 import subprocess
 import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -16,13 +19,21 @@ NOT_PACKAGED = {"tests", "bench", "scripts", "docs", "data", "build", "out", ".c
 MAX_WHEEL_BYTES = 1 << 20  # 0.29 MB today: the code and precision/text only
 
 
-def test_wheel_and_sdist_build_and_the_wheel_holds_the_package_only(tmp_path):
+@pytest.fixture(scope="module")
+def distributions(tmp_path_factory) -> tuple[Path, Path]:
+    """The wheel and the sdist, built with `python -m build` from a copy of the checkout."""
+    out = tmp_path_factory.mktemp("dist")
     # Build from a copy: setuptools leaves a build/ folder in the source tree.
-    source = shutil.copytree(REPO, tmp_path / "src", ignore=shutil.ignore_patterns(
+    source = shutil.copytree(REPO, out / "src", ignore=shutil.ignore_patterns(
         ".git", "build", "out", "*.egg-info", "__pycache__", ".pytest_cache", ".work", ".hypothesis"))
-    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path), str(source)],
+    subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(source)],
                    check=True, capture_output=True)
-    (wheel,), (sdist,) = tmp_path.glob("llmc-*.whl"), tmp_path.glob("llmc-*.tar.gz")
+    (wheel,), (sdist,) = out.glob("llmc-*.whl"), out.glob("llmc-*.tar.gz")
+    return wheel, sdist
+
+
+def test_wheel_and_sdist_build_and_the_wheel_holds_the_package_only(distributions):
+    wheel, sdist = distributions
     assert wheel.stat().st_size < MAX_WHEEL_BYTES, wheel.stat().st_size
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names} == {"llmc", "llmc-0.1.0.dist-info"}
@@ -37,6 +48,59 @@ def test_wheel_and_sdist_build_and_the_wheel_holds_the_package_only(tmp_path):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read("llmc-0.1.0.dist-info/entry_points.txt").decode()
     assert "llmc = llmc.cli:entry" in entry_points
+
+
+@pytest.fixture(scope="module")
+def slim_install(distributions, tmp_path_factory) -> Path:
+    """A fresh virtual environment holding the wheel without extras (pip fetches its dependencies)."""
+    venv = tmp_path_factory.mktemp("slim") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    str(distributions[0])], check=True, capture_output=True)
+    return venv / "bin"
+
+
+def test_the_wheel_without_extras_runs_an_engine_made_elsewhere(slim_install, trained_onnx, tmp_path):
+    from llmc.compiler.build import compile_model
+
+    engine = tmp_path / "pystdlib.plan"
+    compile_model(trained_onnx, engine)
+    absent = subprocess.run([str(slim_install / "python"), "-c", "import importlib.util as u; print("
+                             "[m for m in ('torch', 'onnx', 'onnxscript', 'starlette') if u.find_spec(m)])"],
+                            capture_output=True, text=True, check=True)
+    assert absent.stdout.strip() == "[]"
+    command = ["run", str(engine), "--prompt", "def fibonacci(", "--max-new-tokens", "16", "--json"]
+    slim = subprocess.run([str(slim_install / "llmc"), *command], capture_output=True, text=True)
+    assert slim.returncode == 0, slim.stderr
+    here = subprocess.run([sys.executable, "-m", "llmc.cli", *command], capture_output=True, text=True, check=True)
+    assert json.loads(slim.stdout)["token_ids"] == json.loads(here.stdout)["token_ids"]
+    assert json.loads(slim.stdout)["token_ids"], "no tokens generated"
+
+
+@pytest.mark.parametrize("command, extra", [
+    (["export", "tiny-llama", "-o", "{out}/model.onnx"], "export"),
+    (["compile", "{onnx}", "-o", "{out}/engine.plan"], "compile"),
+    (["serve", "{engine}"], "serve"),
+])
+def test_a_command_whose_extra_is_missing_names_it(slim_install, tiny_llama_onnx, tiny_llama_engine, tmp_path,
+                                                  command, extra):
+    arguments = [a.format(out=tmp_path, onnx=tiny_llama_onnx, engine=tiny_llama_engine) for a in command]
+    done = subprocess.run([str(slim_install / "llmc"), *arguments], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and f"pip install 'llmc[{extra}]'" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_extras_that_errors_name_exist_and_the_base_install_is_the_runtime():
+    import re
+    import tomllib
+
+    from llmc.errors import EXTRA_MODULES
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert set(EXTRA_MODULES) <= set(project["optional-dependencies"])
+    base = {re.match(r"[\w.-]+", requirement).group().lower() for requirement in project["dependencies"]}
+    assert base == {"numpy", "onnxruntime", "tokenizers", "click", "numba", "llvmlite"}
 
 
 def test_cli_start_up_imports_neither_torch_nor_tensorrt():
