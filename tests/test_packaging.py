@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # The package's own folders (the repository root is the llmc package); everything else in the
-# checkout (tests, benchmarks, scripts, docs, the trained model) stays out of the wheel.
-NOT_PACKAGED = {"tests", "bench", "scripts", "docs", "data", "build", "out", ".ci"}
+# checkout (tests, benchmarks, scripts, docs, examples, the trained model) stays out of the wheel.
+NOT_PACKAGED = {"tests", "bench", "scripts", "docs", "data", "examples", "build", "out", ".ci"}
 MAX_WHEEL_BYTES = 1 << 20  # 0.29 MB today: the code and precision/text only
 
 
