@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -18,7 +19,7 @@ import onnx
 
 import llmc
 from llmc.formats.decoder_interface import recognize_decoder
-from llmc.compiler.engine_checks import check_against_source, check_engine_graph, unfused_attention
+from llmc.compiler.engine_checks import SourceOutputs, check_against_source, check_engine_graph, unfused_attention
 from llmc.formats.engine_file import write_engine
 from llmc.formats.onnx_io import engine_weights, is_large, load_onnx, serialize, validate
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
@@ -87,6 +88,13 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     source_nodes = len(model.graph.node)
     source_ops = frozenset(n.op_type for n in model.graph.node)
     pool = plan_pool(paged, interface) if paged is not None else None  # bad sizes fail early
+    exact = precision.is_default
+    # The source's hash and the final check's reference (skipped past 2 GB, like the check), made on
+    # the second core while the passes run.
+    background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmc-source")
+    source_outputs = SourceOutputs(model, onnx_path, background) if exact and not large else None
+    source_hash = background.submit(_file_hash, onnx_path)
+    background.shutdown(wait=False)
     progress(f"optimizing {source_nodes} nodes")
     model, report = optimize(model, level=level, passes=passes, verify=verify,
                              progress=progress if large else lambda message: None)  # passes take minutes past 2 GB
@@ -109,8 +117,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
             precision_entry["accuracy"] = accuracy.to_dict()
         elif held_back:
             progress("accuracy not checked: the held-back comparison runs in memory, which models past 2 GB exceed")
-    check_against_source(model, onnx_path, exact=precision.is_default, level=level, passes=passes,
-                         source_ops=source_ops, progress=progress)
+    check_against_source(model, onnx_path, exact=exact, level=level, passes=passes,
+                         source_ops=source_ops, source_outputs=source_outputs, progress=progress)
     paged_entry, not_paged = None, "not requested"
     unfused = unfused_attention(model, interface.geometry.num_layers, report)
     if unfused:
@@ -128,7 +136,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "backend": backend,
         **interface.to_dict(),
-        "source": {"file": onnx_path.name, "sha256": _file_hash(onnx_path), "nodes": source_nodes},
+        "source": {"file": onnx_path.name, "sha256": source_hash.result(), "nodes": source_nodes},
         "build_options": {"backend": backend, "level": None if passes is not None else str(DEFAULT_LEVEL if level is None else level),
                           "passes": [entry["pass"] for entry in report], "verify": verify},
         "optimization": [{k: entry[k] for k in ("pass", "matches", "nodes_after")} for entry in report],

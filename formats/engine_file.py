@@ -25,6 +25,7 @@ import shutil
 import struct
 import threading
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,12 +93,14 @@ def write_engine(path: str | os.PathLike, manifest: dict[str, Any], sections: di
     table, offset = [], 0
     for name, data in sections.items():
         offset = _aligned(offset)
-        length, digest = _measure(data)
-        table.append({"name": name, "offset": offset, "length": length, "sha256": digest})
+        length = _length(data)
+        # Digests are filled in as the sections are written; a placeholder of the same width
+        # keeps the manifest's size, so the sections' offsets hold.
+        table.append({"name": name, "offset": offset, "length": length, "sha256": "0" * 64})
         offset += length
     manifest = {"format_version": FORMAT_VERSION, **manifest, "sections": table}
     parse_manifest(manifest, str(path))  # what this writes, read_engine must accept
-    manifest_bytes = json.dumps(manifest, indent=1).encode()
+    manifest_size = len(json.dumps(manifest, indent=1).encode())
 
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent, f".{path.name}.")
@@ -105,19 +108,50 @@ def write_engine(path: str | os.PathLike, manifest: dict[str, Any], sections: di
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide the engine from other users
         with os.fdopen(fd, "wb") as out:
-            out.write(HEADER.pack(MAGIC, FORMAT_VERSION, len(manifest_bytes), hashlib.sha256(manifest_bytes).digest()))
-            out.write(manifest_bytes)
-            start = out.tell()
+            start = HEADER.size + manifest_size
+            out.seek(start)
             for entry, data in zip(table, sections.values()):
                 out.write(b"\0" * (start + entry["offset"] - out.tell()))
-                for chunk in _chunks(data):
-                    out.write(chunk)
+                entry["sha256"] = _write_hashing(out, data, entry["length"], entry["name"])
+            manifest_bytes = json.dumps(manifest, indent=1).encode()
+            assert len(manifest_bytes) == manifest_size
+            out.seek(0)
+            out.write(HEADER.pack(MAGIC, FORMAT_VERSION, manifest_size, hashlib.sha256(manifest_bytes).digest()))
+            out.write(manifest_bytes)
         # No fsync: it cost 5 s of SmolLM2-135M's compile (137 MB/s to disk here), and a file
         # cut short by a crash after the rename fails its length or checksum checks on load.
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _write_hashing(out, data: Payload, length: int, name: str) -> str:
+    """Write a section and return its sha256, each chunk hashed in a second thread while it is
+    written (both release the GIL: SmolLM2-135M's 540 MB took 2.3 s hashed, then written)."""
+    digest, written = hashlib.sha256(), 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmc-hash") as hasher:
+        for chunk in _chunks(data):
+            hashed = hasher.submit(digest.update, chunk)
+            out.write(chunk)
+            written += len(chunk)
+            hashed.result()
+    if written != length:
+        raise LlmcError(f"section {name}: {written} bytes where {length} were measured (a file changed while written)")
+    return digest.hexdigest()
+
+
+def _length(data: Payload) -> int:
+    parts = [FileRange(Path(data))] if isinstance(data, (str, os.PathLike)) else data if isinstance(data, list) else [data]
+    return sum(_part_length(part) for part in parts)
+
+
+def _part_length(part: bytes | memoryview | FileRange) -> int:
+    if not isinstance(part, FileRange):
+        return memoryview(part).nbytes
+    if part.length is not None:
+        return part.length
+    return os.stat(part.path).st_size - part.offset
 
 
 def remove_stale_temporaries(folder: Path, prefix: str) -> None:
@@ -147,14 +181,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _measure(data: Payload) -> tuple[int, str]:
-    digest, length = hashlib.sha256(), 0
-    for chunk in _chunks(data):
-        digest.update(chunk)
-        length += len(chunk)
-    return length, digest.hexdigest()
 
 
 def _chunks(data: Payload):

@@ -250,10 +250,23 @@ def test_run_prompt_at_the_length_limit(tiny_llama_engine):
 def test_export_failure_leaves_no_output(tmp_path, monkeypatch):
     import llmc.formats.onnx_io as onnx_io
 
-    def broken(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    class DiskFills:
+        """A file that takes a few bytes, then runs out of space."""
 
-    monkeypatch.setattr(onnx_io.onnx, "save_model", broken)  # the exporter saves through onnx_io
+        def __init__(self, path, mode):
+            self.file = open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, data):
+            self.file.write(data[:10])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx_io, "open", DiskFills, raising=False)  # the exporter saves through onnx_io
     assert_refused(llmc("export", "tiny-llama", "-o", tmp_path / "m.onnx", "--no-check"), "no space left on device")
     assert list(tmp_path.iterdir()) == []
 

@@ -87,3 +87,20 @@ def test_interface_names_dims_and_metadata(exported):
     assert interface.dtype == "float32" and interface.has_position_ids
     metadata = {p.key: p.value for p in model.metadata_props}
     assert loaded.tokenizer.to_json() == metadata["llmc.tokenizer"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "phi3", "gemma2", "gpt_neox"])
+def test_skipping_torchs_whole_graph_shape_inference_writes_the_same_graph(family, tmp_path, monkeypatch):
+    # The TorchScript trace skips torch's two whole-graph shape inferences (they copy every weight
+    # to annotate types llmc infers again): the serialized graph must be the one they would give.
+    import contextlib
+
+    from hf_checkpoints import write_hf_checkpoint
+
+    from llmc.compiler import export as export_module
+
+    loaded = load_model(write_hf_checkpoint(tmp_path / family, family))
+    geometry = model_geometry(loaded.model)
+    skipped = export_module._trace_torchscript(loaded.model, geometry)
+    monkeypatch.setattr(export_module, "_without_whole_graph_shape_inference", contextlib.nullcontext)
+    assert export_module._trace_torchscript(loaded.model, geometry) == skipped

@@ -91,3 +91,40 @@ def test_a_loaded_model_references_its_weights_in_its_own_file(tmp_path):
     session = open_session(onnx_io.serialize(loaded), session_options(1))
     reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(session.run(None, {"x": x})[0], reference.run(None, {"x": x})[0])
+
+
+def test_load_onnx_parses_past_the_weights_and_keeps_everything_else(tmp_path):
+    # load_onnx parses the file with its large inline weights skipped, in place: every other
+    # field (nodes, small and typed-field tensors, metadata after the graph) must come through.
+    rng = np.random.default_rng(1)
+    first, second = (rng.standard_normal((64, 32)).astype(np.float32) for _ in range(2))
+    model = _matmul_model(first)
+    model.graph.initializer.extend([
+        numpy_helper.from_array(np.arange(3, dtype=np.int64), "small"),
+        numpy_helper.from_array(second, "second"),
+        onnx.helper.make_tensor("typed", TensorProto.FLOAT, [300], rng.standard_normal(300).tolist()),
+        numpy_helper.from_array(np.arange(500, dtype=np.int64), "big_ints"),
+    ])
+    model.metadata_props.add(key="k", value="v")
+    onnx.save_model(model, tmp_path / "m.onnx")
+
+    loaded = onnx_io.load_onnx(tmp_path / "m.onnx")
+    want = onnx.load(str(tmp_path / "m.onnx"))
+    assert [t.name for t in loaded.graph.initializer] == [t.name for t in want.graph.initializer]
+    for got, expected in zip(loaded.graph.initializer, want.graph.initializer):
+        np.testing.assert_array_equal(onnx_io.tensor_array(got), numpy_helper.to_array(expected))
+    external = {t.name for t in loaded.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    assert external == {"w", "second", "typed", "big_ints"}, external
+    assert loaded.graph.node == want.graph.node and loaded.graph.input == want.graph.input
+    assert loaded.metadata_props == want.metadata_props and loaded.opset_import == want.opset_import
+
+
+def test_save_serialized_appends_metadata_without_parsing(tmp_path):
+    model = _matmul_model(np.ones((64, 32), np.float32))
+    model.metadata_props.add(key="exporter", value="kept")
+    (tmp_path / "m.onnx.data").write_bytes(b"stale")
+    onnx_io.save_serialized(model.SerializeToString(), tmp_path / "m.onnx", metadata={"llmc.a": "1", "llmc.b": "2"})
+    saved = onnx.load(str(tmp_path / "m.onnx"))
+    assert [(p.key, p.value) for p in saved.metadata_props] == [("exporter", "kept"), ("llmc.a", "1"), ("llmc.b", "2")]
+    assert saved.graph == model.graph
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
