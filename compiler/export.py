@@ -17,7 +17,9 @@ import logging
 import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -123,22 +125,35 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     metadata = {**geometry_metadata(geometry, (windows[0] or None) if windows and uniform else None),
                 TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(), "llmc.source_model": loaded.name,
                 **({} if uniform else {"llmc.layer_windows": json.dumps(windows)})}
-    start = time.perf_counter()
     if isinstance(graph, bytes):
-        save_serialized(graph, output, metadata=metadata)
-    else:
-        graph.metadata_props.clear()
-        graph.metadata_props.update(metadata)
-        # Straight from the exporter's graph, whose tensors are the model's own: the weights are
-        # never copied into a ModelProto (past 2 GB one cannot hold them).
-        save_ir_model(graph, output)
+        # Written on a second thread while the check runs on the same bytes in memory.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmc-write") as writer:
+            written = writer.submit(_timed, save_serialized, graph, output, metadata=metadata)
+            result = _checked(loaded.model, graph, check, progress)
+            progress(f"wrote {output} in {written.result():.1f} s")
+        return result
+    graph.metadata_props.clear()
+    graph.metadata_props.update(metadata)
+    # Straight from the exporter's graph, whose tensors are the model's own: the weights are
+    # never copied into a ModelProto (past 2 GB one cannot hold them).
+    progress(f"wrote {output} in {_timed(save_ir_model, graph, output):.1f} s")
     del graph
-    progress(f"wrote {output} in {time.perf_counter() - start:.1f} s")
+    return _checked(loaded.model, output, check, progress)
+
+
+def _timed(function: Callable, *args, **kwargs) -> float:
+    start = time.perf_counter()
+    function(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+def _checked(model: torch.nn.Module, graph: bytes | Path, check: bool,
+             progress: Callable[[str], None]) -> ParityCheck | None:
     if not check:
         return None
     progress("checking onnxruntime against PyTorch on seeded inputs")
     start = time.perf_counter()
-    result = check_parity(loaded.model, output)
+    result = check_parity(model, graph)
     progress(f"checked in {time.perf_counter() - start:.1f} s")
     return result
 
@@ -215,15 +230,22 @@ def sample_inputs(geometry: Geometry, batch: int, seq: int, past: int, *, seed: 
     return inputs
 
 
-def check_parity(model: torch.nn.Module, onnx_path: str | os.PathLike, *, batch: int = 2,
+def check_parity(model: torch.nn.Module, onnx: str | os.PathLike | bytes, *, batch: int = 2,
                  seq: int = 5) -> ParityCheck:
-    """Run a prefill and a decode step in onnxruntime and PyTorch; return the max abs differences."""
+    """Run a prefill and a decode step in onnxruntime and PyTorch; return the max abs differences.
+
+    Args:
+        model: the PyTorch model.
+        onnx: its export: an ONNX file, or a serialized model with its weights inline.
+    """
     import onnxruntime as ort
 
     geometry = model_geometry(model)
-    options = session_options(alone=True)
-    options.add_session_config_entry("session.disable_prepacking", "1")  # two runs: packing would not pay
-    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    # The graph as exported, not as onnxruntime would rewrite it; two runs: packing would not pay.
+    options = session_options(alone=True, optimize=False)
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    session = ort.InferenceSession(onnx if isinstance(onnx, bytes) else str(onnx), options,
+                                   providers=["CPUExecutionProvider"])
     prefill = sample_inputs(geometry, batch, seq, past=0, seed=1)
     diffs_prefill, presents = _compare_step(model, session, prefill)
     decode = sample_inputs(geometry, batch, 1, past=seq, seed=2)
