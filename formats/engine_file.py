@@ -142,8 +142,7 @@ def _write_hashing(out, data: Payload, length: int, name: str) -> str:
 
 
 def _length(data: Payload) -> int:
-    parts = [FileRange(Path(data))] if isinstance(data, (str, os.PathLike)) else data if isinstance(data, list) else [data]
-    return sum(_part_length(part) for part in parts)
+    return sum(_part_length(part) for part in _parts(data))
 
 
 def _part_length(part: bytes | memoryview | FileRange) -> int:
@@ -183,13 +182,15 @@ def _umask() -> int:
     return mask
 
 
+def _parts(data: Payload) -> list[bytes | memoryview | FileRange]:
+    if isinstance(data, (str, os.PathLike)):
+        return [FileRange(Path(data))]
+    return data if isinstance(data, list) else [data]
+
+
 def _chunks(data: Payload):
     """The payload in pieces: files are read 64 MiB at a time (through the page cache)."""
-    if isinstance(data, (str, os.PathLike)):
-        data = [FileRange(Path(data))]
-    elif not isinstance(data, list):
-        data = [data]
-    for part in data:
+    for part in _parts(data):
         if not isinstance(part, FileRange):
             yield part
             continue
