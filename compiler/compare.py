@@ -126,10 +126,7 @@ def run_onnx_file(path: str | os.PathLike, feeds: dict[str, np.ndarray]) -> dict
 
 
 def _unoptimized() -> ort.SessionOptions:
-    options = session_options(optimize=False, alone=True)
-    # These sessions run once: packing the weights for faster MatMuls would cost more than it saves.
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    return options
+    return session_options(optimize=False, alone=True, once=True)
 
 
 def _run(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

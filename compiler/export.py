@@ -241,9 +241,8 @@ def check_parity(model: torch.nn.Module, onnx: str | os.PathLike | bytes, *, bat
     import onnxruntime as ort
 
     geometry = model_geometry(model)
-    # The graph as exported, not as onnxruntime would rewrite it; two runs: packing would not pay.
-    options = session_options(alone=True, optimize=False)
-    options.add_session_config_entry("session.disable_prepacking", "1")
+    # The graph as exported, not as onnxruntime would rewrite it.
+    options = session_options(alone=True, optimize=False, once=True)
     session = ort.InferenceSession(onnx if isinstance(onnx, bytes) else str(onnx), options,
                                    providers=["CPUExecutionProvider"])
     prefill = sample_inputs(geometry, batch, seq, past=0, seed=1)

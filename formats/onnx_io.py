@@ -20,6 +20,7 @@ inline until saved.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
@@ -176,23 +177,18 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
         path: the destination .onnx file.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data_name = path.name + ".data"
-    staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
-    try:
+    with _staging(path) as staging:
         staged = staging / path.name
         if is_large(model):
             offsets = _write_with_external_data(model, staged, data_name)
             os.replace(staging / data_name, path.parent / data_name)
             # The source data file may just have been replaced: point at what was written.
             _repoint(model, path.parent / data_name, offsets)
+            os.replace(staged, path)
         else:
             onnx.save_model(_with_weights_inline(model), str(staged))
-            if (path.parent / data_name).exists():
-                (path.parent / data_name).unlink()  # a stale data file from an earlier, larger save
-        os.replace(staged, path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            _publish_inline(staged, path)
 
 
 def save_serialized(model: bytes, path: str | os.PathLike, *, metadata: dict[str, str]) -> None:
@@ -210,18 +206,32 @@ def save_serialized(model: bytes, path: str | os.PathLike, *, metadata: dict[str
     for key, value in metadata.items():
         extra.metadata_props.add(key=key, value=value)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
-    try:
+    with _staging(path) as staging:
         with open(staging / path.name, "wb") as f:
             f.write(model)
             f.write(extra.SerializeToString())
-        data = path.parent / (path.name + ".data")
-        if data.exists():
-            data.unlink()  # a stale data file from an earlier, larger save
-        os.replace(staging / path.name, path)
+        _publish_inline(staging / path.name, path)
+
+
+@contextlib.contextmanager
+def _staging(path: Path):
+    """A temporary folder beside `path` to write its files in before they are renamed into place
+    (a reader never sees a partial model); removed afterwards, whatever happened."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
+    try:
+        yield staging
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish_inline(staged: Path, path: Path) -> None:
+    """Move a model written with its weights inline into place, removing a stale `<name>.data`
+    from an earlier, larger save."""
+    data = path.parent / (path.name + ".data")
+    if data.exists():
+        data.unlink()
+    os.replace(staged, path)
 
 
 def save_ir_model(model, path: str | os.PathLike) -> None:
@@ -239,15 +249,11 @@ def save_ir_model(model, path: str | os.PathLike) -> None:
         save_onnx(ir.serde.serialize_model(model), path)
         return
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data_name = path.name + ".data"
-    staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
-    try:
+    with _staging(path) as staging:
         ir.save(model, staging / path.name, external_data=data_name, size_threshold_bytes=EXTERNAL_MIN_BYTES)
         os.replace(staging / data_name, path.parent / data_name)
         os.replace(staging / path.name, path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def engine_weights(model: onnx.ModelProto) -> list[bytes | FileRange]:

@@ -166,7 +166,7 @@ def _is_constant_initializer(graph: Graph, name: str) -> bool:
 
 
 def _tensor_types(model: onnx.ModelProto) -> Types:
-    """Declared tensor types by value name, indexed once (Graph.shape scans per lookup)."""
+    """Declared tensor types by value name, indexed once for the pass."""
     graph = model.graph
     return {info.name: info.type.tensor_type
             for info in itertools.chain(graph.value_info, graph.input, graph.output)
