@@ -36,6 +36,7 @@ from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
 
 BACKENDS = ("onnxruntime", "tensorrt")
+SINGLE_SEQUENCE_SECTION = "single_sequence.onnx"
 TOKENIZER_METADATA_KEY = "llmc.tokenizer"
 
 
@@ -119,17 +120,22 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
             progress("accuracy not checked: the held-back comparison runs in memory, which models past 2 GB exceed")
     check_against_source(model, onnx_path, exact=exact, level=level, passes=passes,
                          source_ops=source_ops, source_outputs=source_outputs, progress=progress)
-    paged_entry, not_paged = None, "not requested"
+    paged_entry, not_paged, single = None, "not requested", None
     unfused = unfused_attention(model, interface.geometry.num_layers, report)
     if unfused:
         progress(unfused)
     if paged is not None:
-        not_paged = unfused or lower(model, interface, paged)
+        if unfused:
+            not_paged = unfused
+        else:
+            not_paged, single = lower(model, interface, paged, single_sequence=backend == "onnxruntime")
         if not_paged is None:
             paged_entry = pool
         elif not unfused:
             progress(f"paged KV off: {not_paged}")
     check_engine_graph(model, Path(output))
+    if single is not None:
+        check_engine_graph(single, Path(output))
     network = _tensorrt_network(model, onnx_path, paged_entry, not_paged, tensorrt) if backend == "tensorrt" else None
     manifest = {
         "llmc_version": llmc.__version__,
@@ -161,9 +167,12 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         engine, manifest["tensorrt"] = build_engine(model, network["profile"], tensorrt, progress)
         write_engine(output, manifest, {"engine.trt": engine, "tokenizer.json": tok.to_json().encode()})
         return manifest
-    weights = engine_weights(model)
+    weights = engine_weights(model, *([single] if single is not None else []))
     if paged_entry is not None:
+        paged_entry["single_sequence"] = single and SINGLE_SEQUENCE_SECTION
         paged_entry["segments"], payload = segment_sections(model)
+        if single is not None:
+            payload[SINGLE_SEQUENCE_SECTION] = single.SerializeToString()
         payload.update(dense_attention_sections(paged_entry["segments"], interface.geometry,
                                                 paged_entry["block_size"], paged_entry["kv_dtype"]))
     else:

@@ -24,6 +24,7 @@ from llmc.formats.decoder_interface import DecoderInterface
 from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.errors import LlmcError
 from llmc.passes.lower_paged_attention import LowerPagedAttention
+from llmc.passes.lower_single_sequence import LowerSingleSequence
 from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 
 
@@ -95,10 +96,30 @@ def reusable_window(windows: tuple[int, ...]) -> int | None:
     return max(windows) if windows and all(windows) else None
 
 
-def lower(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOptions) -> str | None:
-    """Lower the optimized graph to the paged interface; returns why not, when it can't be."""
+def lower(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOptions,
+          single_sequence: bool = False) -> tuple[str | None, onnx.ModelProto | None]:
+    """Lower the optimized graph to the paged interface. Returns why not, when it can't be (else
+    None), and with `single_sequence` the graph for steps of one sequence
+    (passes/lower_single_sequence.py), or None when the engine cannot have one (see
+    `single_sequence_graph`)."""
     computed = any("position_ids" in n.output for n in model.graph.node)  # canonicalize-gqa's, from the mask
     if not interface.has_position_ids and not computed:
-        return "the graph has no position_ids input"
+        return "the graph has no position_ids input", None
+    single = single_sequence_graph(model, interface, options) if single_sequence else None
     LowerPagedAttention(options.block_size, options.kv_dtype, interface.windows).run(model)
-    return None
+    return None, single
+
+
+def single_sequence_graph(model: onnx.ModelProto, interface: DecoderInterface,
+                          options: PagedOptions) -> onnx.ModelProto | None:
+    """A copy of the optimized graph lowered for one sequence at a time, or None where its buffer
+    could not mirror the pool: a pool in another type than the model's float32 (the paged path
+    rounds keys and values to it), or windows on every layer (the block manager then frees
+    blocks behind them, which the buffer would still hold)."""
+    kv_dtype = options.kv_dtype or interface.dtype
+    if interface.dtype != "float32" or kv_dtype != "float32" or reusable_window(interface.windows) is not None:
+        return None
+    single = onnx.ModelProto()
+    single.CopyFrom(model)  # weights are references (onnx_io): the copy is the graph's structure
+    LowerSingleSequence(interface.windows).run(single)
+    return single

@@ -78,6 +78,9 @@ class PagedLayout:
     pool_mb: float
     window: int | None  # positions every layer reads back, when every layer has a window
     segments: tuple[Segment, ...]
+    # The section of the whole graph for steps of one sequence (passes/lower_single_sequence.py);
+    # None where the engine has none (older engines, float16 pools).
+    single_sequence: str | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ def parse_manifest(data: Any, where: str) -> Manifest:
         payload = ["model.onnx"]
     else:
         payload = [name for s in manifest.paged.segments for name in (s.section, s.attention and s.attention.dense) if name]
+        payload += [manifest.paged.single_sequence] if manifest.paged.single_sequence else []
     missing = [name for name in ["tokenizer.json", *payload] if name not in names]
     if missing:
         raise LlmcError(f"{where}: the manifest names no section '{missing[0]}'")

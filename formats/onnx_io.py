@@ -256,27 +256,35 @@ def save_ir_model(model, path: str | os.PathLike) -> None:
         os.replace(staging / path.name, path)
 
 
-def engine_weights(model: onnx.ModelProto) -> list[bytes | FileRange]:
-    """Reference the model's tensors of 1 KiB or more as an engine's "model.onnx.data" section
+def engine_weights(*models: onnx.ModelProto) -> list[bytes | FileRange]:
+    """Reference the models' tensors of 1 KiB or more as an engine's "model.onnx.data" section
     (as `engine_file.bind_weights` expects) and return that section's parts: each tensor's bytes
     where they are (inline, or a range of its external file), aligned; `write_engine` streams
-    them. The model's graph then holds no weights, whatever their size."""
+    them. The graphs then hold no weights, whatever their size. Graphs made from one model (a
+    paged engine's and its single-sequence graph) share each tensor of the same name."""
     parts: list[bytes | FileRange] = []
+    placed: dict[str, tuple[int, int]] = {}
     size = 0
-    for tensor in _get_all_tensors(model):
-        if uses_external_data(tensor):
-            info = ExternalDataInfo(tensor)
-            length = _external_length(tensor)
-            data: bytes | FileRange = FileRange(Path(info.location), info.offset or 0, length)
-        elif tensor.data_type != onnx.TensorProto.STRING and tensor.ByteSize() >= EXTERNAL_MIN_BYTES:
-            data = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
-            length = len(data)
-        else:
-            continue
-        offset = -(-size // _ALIGN) * _ALIGN
-        parts += [bytes(offset - size), data]
-        size = offset + length
-        _set_external(tensor, WEIGHTS_LOCATION, offset, length, engine=True)
+    for model in models:
+        for tensor in _get_all_tensors(model):
+            if tensor.name in placed:
+                _set_external(tensor, WEIGHTS_LOCATION, *placed[tensor.name], engine=True)
+                continue
+            if uses_external_data(tensor):
+                info = ExternalDataInfo(tensor)
+                length = _external_length(tensor)
+                data: bytes | FileRange = FileRange(Path(info.location), info.offset or 0, length)
+            elif tensor.data_type != onnx.TensorProto.STRING and tensor.ByteSize() >= EXTERNAL_MIN_BYTES:
+                data = tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+                length = len(data)
+            else:
+                continue
+            offset = -(-size // _ALIGN) * _ALIGN
+            parts += [bytes(offset - size), data]
+            size = offset + length
+            if tensor.name:
+                placed[tensor.name] = (offset, length)
+            _set_external(tensor, WEIGHTS_LOCATION, offset, length, engine=True)
     return parts
 
 

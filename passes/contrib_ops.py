@@ -22,7 +22,8 @@ _NORM_TYPES = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
 def register() -> None:
     """Register the contrib schemas with onnx (once per process)."""
     for schema in (_quick_gelu(), _skip_norm("SkipLayerNormalization", beta=True),
-                   _skip_norm("SkipSimplifiedLayerNormalization", beta=False), _matmul_nbits()):
+                   _skip_norm("SkipSimplifiedLayerNormalization", beta=False), _matmul_nbits(),
+                   _group_query_attention()):
         try:
             defs.get_schema(schema.name, schema.since_version, schema.domain)
         except defs.SchemaError:
@@ -77,6 +78,36 @@ def _matmul_nbits() -> OpSchema:
         + [OpSchema.Attribute(name, OpSchema.AttrType.INT, "", required=False) for name in ("bits", "accuracy_level")])
     schema.set_type_and_shape_inference_function(_matmul_nbits_output)
     return schema
+
+
+def _group_query_attention() -> OpSchema:
+    """The inputs and attributes the single-sequence graph uses (passes/lower_single_sequence.py);
+    onnxruntime's op takes more, all optional and after these."""
+    optional = OpSchema.FormalParameterOption.Optional
+    schema = OpSchema(
+        "GroupQueryAttention", DOMAIN, 1, "Causal attention over a key/value buffer it appends to.",
+        inputs=[OpSchema.FormalParameter("query", "T"), OpSchema.FormalParameter("key", "T", param_option=optional),
+                OpSchema.FormalParameter("value", "T", param_option=optional),
+                OpSchema.FormalParameter("past_key", "T", param_option=optional),
+                OpSchema.FormalParameter("past_value", "T", param_option=optional),
+                OpSchema.FormalParameter("seqlens_k", "M"), OpSchema.FormalParameter("total_sequence_length", "M")],
+        outputs=[OpSchema.FormalParameter("output", "T"),
+                 OpSchema.FormalParameter("present_key", "T", param_option=optional),
+                 OpSchema.FormalParameter("present_value", "T", param_option=optional)],
+        type_constraints=[("T", _NORM_TYPES, ""), ("M", ["tensor(int32)"], "")],
+        attributes=[OpSchema.Attribute(name, OpSchema.AttrType.INT, "", required=True) for name in ("num_heads", "kv_num_heads")]
+        + [OpSchema.Attribute(name, OpSchema.AttrType.INT, "", required=False) for name in ("local_window_size", "do_rotary")]
+        + [OpSchema.Attribute(name, OpSchema.AttrType.FLOAT, "", required=False) for name in ("scale", "softcap")])
+    schema.set_type_and_shape_inference_function(_group_query_attention_outputs)
+    return schema
+
+
+def _group_query_attention_outputs(ctx) -> None:
+    """The output is shaped like the query; the presents like the pasts (the buffer is shared)."""
+    ctx.set_output_type(0, _copy(ctx.get_input_type(0)))
+    for output, past in ((1, 3), (2, 4)):
+        if ctx.get_num_outputs() > output and ctx.has_output(output):
+            ctx.set_output_type(output, _copy(ctx.get_input_type(past)))
 
 
 def _matmul_nbits_output(ctx) -> None:

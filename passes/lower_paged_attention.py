@@ -71,19 +71,7 @@ class LowerPagedAttention(Pass):
         windows = self.windows or (0,) * layers
         if len(windows) != layers:
             raise LlmcError(f"paged lowering: {len(windows)} layer windows for a graph of {layers} layers")
-        attentions = {}
-        for node in model.graph.node:
-            if node.op_type == "Attention" and node.domain in DEFAULT_DOMAINS and len(node.input) >= 6:
-                layer = _layer_of(node.input[4])
-                if layer is not None:
-                    attentions[layer] = node
-        for layer in range(layers):
-            node = attentions.get(layer)
-            if node is None:
-                raise LlmcError(f"paged lowering: layer {layer}'s attention could not be canonicalized "
-                                "to one Attention node (see the fuse-attention report)")
-            if graph.rank(node.input[0]) != 3:
-                raise LlmcError(f"paged lowering: layer {layer}'s Attention is 4-D; run attention-3d-layout first")
+        attentions = attentions_by_layer(model, graph, layers, "paged lowering")
 
         past = inputs["past_key_values.0.key"].type.tensor_type.shape.dim
         kv_heads, head_dim = past[1].dim_value, past[3].dim_value
@@ -102,7 +90,7 @@ class LowerPagedAttention(Pass):
 
         kept = [n for n in model.graph.node if (n.op_type != "Attention" or id(n) not in
                 {id(a) for a in attentions.values()}) and "position_ids" not in n.output]  # now fed
-        nodes.append(self._select_logit_rows(graph))
+        nodes.append(select_logit_rows(graph))
         vocab = next(o for o in model.graph.output if o.name == "logits").type.tensor_type.shape.dim[2].dim_value
 
         value = helper.make_tensor_value_info
@@ -126,37 +114,12 @@ class LowerPagedAttention(Pass):
         model.graph.value_info.extend(attended)
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-        graph = Graph(model)
-        graph._replace_nodes(list(model.graph.node))  # toposort: new nodes were appended
-        graph.remove_dead()
-        stale = {"attention_mask"} | {i for i in inputs if i.startswith("past_key_values.")}
-        for node in model.graph.node:
-            # torch.export may read the batch size off any input with that dim, a past one
-            # included (GPT-2); the packed interface's batch is input_ids' too.
-            if (node.op_type == "Shape" and node.input[0] in stale and node.input[0] != "attention_mask"
-                    and attr(node, "start", 0) == 0 and attr(node, "end", None) == 1):
-                node.input[0] = "input_ids"
-            if stale & set(node.input):
-                raise LlmcError(f"paged lowering: node '{node.name}' ({node.op_type}) still reads "
-                                f"{sorted(stale & set(node.input))[0]}, which the paged interface drops")
+        drop_stale_inputs(model, inputs, "paged lowering", "the paged interface")
         windowed = sum(1 for w in windows if w)
         report = f"block size {self.block_size}, {layers} layers" + (
             f", {windowed} with a sliding window ({', '.join(str(w) for w in sorted(set(windows) - {0}))})"
             if windowed else "")
         return PassResult(model, layers, [report])
-
-    @staticmethod
-    def _select_logit_rows(graph: Graph) -> onnx.NodeProto:
-        """Keep only the `logits_rows` tokens: before the vocabulary projection when it is a
-        MatMul by a weight (a prefill step then projects one row per sequence, not every token:
-        the projection is ~15% of the serving model's prefill), else after it."""
-        head = graph.producer["logits"]
-        if head.op_type == "MatMul" and head.domain in DEFAULT_DOMAINS and head.input[1] in graph.initializers:
-            rows = helper.make_node("Gather", [head.input[0], "logits_rows"], ["logits_hidden"], axis=1)
-            head.input[0] = "logits_hidden"
-            return rows
-        head.output[list(head.output).index("logits")] = "logits_all"
-        return helper.make_node("Gather", ["logits_all", "logits_rows"], ["logits"], axis=1)
 
     def _lower(self, attention: onnx.NodeProto, layer: int, heads: int, kv_heads: int, head_dim: int,
                dtype: int, window: int):
@@ -179,6 +142,57 @@ class LowerPagedAttention(Pass):
                  helper.make_node("Reshape", [f"{prefix}/out", f"{prefix}/flat"], [attention.output[0]])]
         attended = helper.make_tensor_value_info(f"{prefix}/out", dtype, ["tokens", heads, head_dim])
         return nodes, constants, attended
+
+
+def select_logit_rows(graph: Graph) -> onnx.NodeProto:
+    """Keep only the `logits_rows` tokens: before the vocabulary projection when it is a
+    MatMul by a weight (a prefill step then projects one row per sequence, not every token:
+    the projection is ~15% of the serving model's prefill), else after it."""
+    head = graph.producer["logits"]
+    if head.op_type == "MatMul" and head.domain in DEFAULT_DOMAINS and head.input[1] in graph.initializers:
+        rows = helper.make_node("Gather", [head.input[0], "logits_rows"], ["logits_hidden"], axis=1)
+        head.input[0] = "logits_hidden"
+        return rows
+    head.output[list(head.output).index("logits")] = "logits_all"
+    return helper.make_node("Gather", ["logits_all", "logits_rows"], ["logits"], axis=1)
+
+
+def attentions_by_layer(model: onnx.ModelProto, graph: Graph, layers: int, stage: str) -> dict[int, onnx.NodeProto]:
+    """Each layer's 3-D Attention node (layer i's reads ``past_key_values.{i}.key``); raises
+    LlmcError naming the first layer that has none, or a 4-D one."""
+    attentions = {}
+    for node in model.graph.node:
+        if node.op_type == "Attention" and node.domain in DEFAULT_DOMAINS and len(node.input) >= 6:
+            layer = _layer_of(node.input[4])
+            if layer is not None:
+                attentions[layer] = node
+    for layer in range(layers):
+        node = attentions.get(layer)
+        if node is None:
+            raise LlmcError(f"{stage}: layer {layer}'s attention could not be canonicalized "
+                            "to one Attention node (see the fuse-attention report)")
+        if graph.rank(node.input[0]) != 3:
+            raise LlmcError(f"{stage}: layer {layer}'s Attention is 4-D; run attention-3d-layout first")
+    return attentions
+
+
+def drop_stale_inputs(model: onnx.ModelProto, old_inputs, stage: str, interface: str) -> None:
+    """After the interface changed: the nodes nothing reads any more go, and a node still reading
+    the attention mask or a past input is an error naming it."""
+    graph = Graph(model)
+    graph._replace_nodes(list(model.graph.node))  # toposort: new nodes were appended
+    graph.remove_dead()
+    stale = {"attention_mask"} | {i for i in old_inputs if i.startswith("past_key_values.")}
+    stale -= {i.name for i in model.graph.input}
+    for node in model.graph.node:
+        # torch.export may read the batch size off any input with that dim, a past one
+        # included (GPT-2); the new interface's batch is input_ids' too.
+        if (node.op_type == "Shape" and node.input[0] in stale and node.input[0] != "attention_mask"
+                and attr(node, "start", 0) == 0 and attr(node, "end", None) == 1):
+            node.input[0] = "input_ids"
+        if stale & set(node.input):
+            raise LlmcError(f"{stage}: node '{node.name}' ({node.op_type}) still reads "
+                            f"{sorted(stale & set(node.input))[0]}, which {interface} drops")
 
 
 def _layer_of(past_name: str) -> int | None:

@@ -36,6 +36,7 @@ from llmc.formats.engine_file import EngineFile, FileRange
 from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.formats.sessions import open_session, session_options
 from llmc.runtime.backends.onnxruntime import drop_file_pages, release_model_bytes
+from llmc.runtime.backends.single_sequence import SingleSequence
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.plugins.paged_attention_cpu import DENSE_MIN_TOKENS, CpuPagedAttention
 
@@ -101,16 +102,25 @@ def available_memory() -> int | None:
 
 
 class PagedDecoder:
-    """The segments' sessions, the attention kernel and the KV pools they read and write.
+    """The KV pools, and the sessions and attention kernel that read and write them.
+
+    A step of one sequence runs the engine's single-sequence graph when it has one
+    (runtime/backends/single_sequence.py); any other step runs the segments, onnxruntime sessions
+    with the attention kernel between them. Each path's sessions are built when it first runs a
+    step (the single-sequence one at load): a process that only ever runs one sequence at a time
+    never builds the segments, nor loads the kernel, and holds its weights once.
 
     Args:
         engine: a paged engine file.
         threads: CPU threads; None uses every core.
         kv_pool_mb: the KV pool's size in MiB; None: the compiled size, or the default rule
             (see `pool_blocks`).
+        single_sequence: run steps of one sequence on the single-sequence graph, when the engine
+            has one; False runs every step on the segments.
     """
 
-    def __init__(self, engine: EngineFile, threads: int | None = None, kv_pool_mb: float | None = None):
+    def __init__(self, engine: EngineFile, threads: int | None = None, kv_pool_mb: float | None = None,
+                 single_sequence: bool = True):
         manifest, paged = engine.manifest, engine.manifest.paged
         if paged is None:
             raise LlmcError(f"{engine.path}: not a paged engine ({manifest.not_paged})")
@@ -118,41 +128,69 @@ class PagedDecoder:
         self.block_size, self.max_seq_len = paged.block_size, paged.max_seq_len
         self.segments = paged.segments
         self.windows = tuple(s.attention.window for s in self.segments if s.attention is not None)
-        # First: it loads the attention kernel in a thread while the sessions are built.
-        dense_models = {(s.attention.scale, s.attention.softcap): engine.sections[s.attention.dense]
-                        for s in self.segments if s.attention is not None and s.attention.dense}
-        self.attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
-                                           paged.block_size, threads, paged.kv_dtype, dense_models)
-        options = session_options(threads)
-        # The segments reference their weights in the engine's data section, which onnxruntime maps.
-        weights = engine.offsets.get("model.onnx.data")
-        self._sessions = []
-        for segment in self.segments:
-            session = segment.section and open_session(
-                {"model.onnx": engine.sections[segment.section],
-                 **({"model.onnx.data": FileRange(engine.path, weights)} if weights is not None else {})}, options)
-            # Each as soon as it is built: freed together, the segments' bytes would leave the
-            # heap fragmented (measured +400 MB resident for SmolLM2-135M's 30 segments).
-            release_model_bytes(session)
-            self._sessions.append(session)
-        # The sessions hold their weights now: the file's pages that building them read go
-        # from this process's resident set (they stay in the page cache).
-        drop_file_pages(engine)
+        self._engine, self._threads, self._kv_dtype = engine, threads, paged.kv_dtype
+        self._options = session_options(threads)
+        self._attention: CpuPagedAttention | None = None
+        self._sessions: list | None = None
+        self.single = None
+        if single_sequence and paged.single_sequence:
+            self.single = SingleSequence(self._open(paged.single_sequence), geometry.num_layers, geometry.num_kv_heads,
+                                         geometry.head_dim, paged.max_seq_len, paged.block_size, paged.kv_dtype,
+                                         allocate_pool)
+            drop_file_pages(engine)  # as after the segments' sessions (see `_segmented`)
+        else:
+            self._segmented()
         self.num_blocks = pool_blocks(paged, geometry, kv_pool_mb)
         shape = (self.num_blocks, geometry.num_kv_heads, paged.block_size, geometry.head_dim)
         self.pools = {f"{part}_cache.{i}": allocate_pool(shape, paged.kv_dtype)
                       for i in range(geometry.num_layers) for part in ("key", "value")}
 
+    def _open(self, section: str):
+        """A session over one of the engine's graph sections, its weights mapped from the file."""
+        engine = self._engine
+        weights = engine.offsets.get("model.onnx.data")
+        session = open_session({"model.onnx": engine.sections[section],
+                                **({"model.onnx.data": FileRange(engine.path, weights)} if weights is not None else {})},
+                               self._options)
+        # Each as soon as it is built: freed together, the segments' bytes would leave the
+        # heap fragmented (measured +400 MB resident for SmolLM2-135M's 30 segments).
+        release_model_bytes(session)
+        return session
+
+    def _segmented(self) -> tuple[CpuPagedAttention, list]:
+        """The attention kernel and the segments' sessions, built on first use."""
+        if self._sessions is None:
+            engine, geometry = self._engine, self.geometry
+            # First: it loads the attention kernel in a thread while the sessions are built.
+            dense_models = {(s.attention.scale, s.attention.softcap): engine.sections[s.attention.dense]
+                            for s in self.segments if s.attention is not None and s.attention.dense}
+            self._attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
+                                                self.block_size, self._threads, self._kv_dtype, dense_models)
+            self._sessions = [segment.section and self._open(segment.section) for segment in self.segments]
+            # The sessions hold their weights now: the file's pages that building them read go
+            # from this process's resident set (they stay in the page cache).
+            drop_file_pages(engine)
+        return self._attention, self._sessions
+
+    @property
+    def attention(self) -> CpuPagedAttention:
+        return self._segmented()[0]
+
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
              rows: np.ndarray | None = None) -> np.ndarray:
         """Run one packed step; stores its keys and values; returns the logits of the packed
         `rows` (default: each sequence's last token)."""
-        layout = self.attention.layout(batch, self.windows)
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
+        if self.single is not None and batch.num_seqs == 1:
+            return self.single.step(tokens, positions, batch, rows, self.pools)
+        if self.single is not None:
+            self.single.invalidate()  # this step writes the pool by the other path
+        attention, sessions = self._segmented()
+        layout = attention.layout(batch, self.windows)
         values = {"input_ids": tokens[None], "position_ids": positions[None],
                   "logits_rows": np.asarray(rows, np.int64), **self.pools}
         stores = []
-        for segment, session in zip(self.segments, self._sessions):
+        for segment, session in zip(self.segments, sessions):
             if session is not None:
                 outputs = session.run(segment.outputs, {name: values[name] for name in segment.inputs})
                 values.update(zip(segment.outputs, outputs))
@@ -162,34 +200,44 @@ class PagedDecoder:
                 # In the pool's type before attention reads them: a step sees its own keys and
                 # values as every later step will, so outputs do not depend on how prompts are chunked.
                 key, value = (np.ascontiguousarray(a, key_cache.dtype) for a in (key, value))
-                attended = self.attention(query, key, value, key_cache, value_cache, layout, call.scale,
-                                          call.window, call.softcap)
+                attended = attention(query, key, value, key_cache, value_cache, layout, call.scale,
+                                     call.window, call.softcap)
                 values[call.output] = attended.astype(query.dtype, copy=False)  # the kernel computes in fp32
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = batch.slots(self.block_size)
         for pool, new in stores:
-            self.attention.store(pool, new, blocks, offsets)
+            attention.store(pool, new, blocks, offsets)
         return values["logits"][0]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: pool block `src` into `dst` for each pair, in every pool."""
+        if pairs and self.single is not None:
+            self.single.invalidate()
         for pool in self.pools.values():
             for src, dst in pairs:
                 pool[dst] = pool[src]
 
     def warm_up(self, tokens: int = DENSE_MIN_TOKENS + 1, seqs: int = 2) -> None:
         """Run one throw-away step of `tokens` tokens (one prompt, the rest decodes of `seqs`
-        sequences), so the first real steps don't pay for first calls: the attention kernel's
-        threads, the dense form's session, onnxruntime's first allocations. The default, one
-        prompt chunk (dense form) and one decode (kernel), is what start-up pays for: measured on
-        SmolLM2-135M, 0.10 s, while a step of the scheduler's largest size (128 tokens, 63 of them
-        decodes) took 0.5 s at load and saved the first real step of that size about 0.07 s.
-        The decodes are left out while the kernel is still loading: start-up does not wait for it.
-        It writes only into pool blocks no request owns yet; nothing reads them before a
-        request's own keys and values overwrite them."""
-        if not self.attention.loaded:
-            seqs = 1
+        sequences) on each path built so far, so the first real steps don't pay for first calls:
+        onnxruntime's first allocations, and on the segments the attention kernel's threads and
+        the dense form's session. The default, one prompt chunk (dense form) and one decode
+        (kernel), is what start-up pays for: measured on SmolLM2-135M, 0.10 s, while a step of the
+        scheduler's largest size (128 tokens, 63 of them decodes) took 0.5 s at load and saved the
+        first real step of that size about 0.07 s. The decodes are left out while the kernel is
+        still loading: start-up does not wait for it. It writes only into pool blocks no request
+        owns yet; nothing reads them before a request's own keys and values overwrite them."""
         blocks = len(next(iter(self.pools.values())))
+        if self.single is not None:
+            prompt = max(1, min(tokens, blocks * self.block_size))
+            width = -(-prompt // self.block_size)
+            batch = PagedBatch(np.arange(width)[None], np.zeros(1, np.int64), np.array([0, prompt]))
+            self.step(np.zeros(prompt, np.int64), np.arange(prompt), batch)
+            self.single.invalidate()
+        if self._sessions is None:
+            return
+        if not self._attention.loaded:
+            seqs = 1
         decodes = max(0, min(seqs - 1, tokens - 1, blocks - 1))
         prompt = max(1, min(tokens - decodes, (blocks - decodes) * self.block_size))
         width = -(-prompt // self.block_size)

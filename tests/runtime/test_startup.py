@@ -48,17 +48,17 @@ def test_loading_does_not_make_the_pool_resident(big_pool_engine):
     assert grown < 256, f"loading grew resident memory by {grown:.0f} MiB for a {pool_mib:.0f} MiB pool"
 
 
-def test_sessions_keep_no_copy_of_the_serialized_segments(tiny_llama_engine):
-    engine = Engine(tiny_llama_engine)
-    sessions = [s for s in engine.decoder._sessions if s is not None]
-    assert sessions and all(getattr(s, "_model_bytes", None) is None for s in sessions)
+def test_sessions_keep_no_copy_of_the_serialized_graphs(tiny_llama_engine):
+    single = Engine(tiny_llama_engine).decoder.single.session
+    sessions = [s for s in Engine(tiny_llama_engine, single_sequence=False).decoder._sessions if s is not None]
+    assert sessions and all(getattr(s, "_model_bytes", None) is None for s in [single, *sessions])
 
 
 KERNEL_STATS = """
 import json, sys
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
-engine = Engine(sys.argv[1])
+engine = Engine(sys.argv[1], single_sequence=False)  # one sequence: the kernel, not the single-sequence graph
 engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=3))
 while engine.has_unfinished():
     engine.step()  # its decodes run the kernel, and every step stores into the pool

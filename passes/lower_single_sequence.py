@@ -1,0 +1,105 @@
+"""Lower a decoder with past/present tensors to the single-sequence interface: one whole-graph
+onnxruntime session for steps that hold one sequence (runtime/backends/single_sequence.py).
+
+A paged engine's step runs a session per segment and the attention kernel between them; for a
+step of one sequence that is most of the step (25M Llama, batch-1 decode: 7 segment runs, 6
+kernel calls and their Python 1.3 ms of a 5.9 ms step). This graph runs the same step in one
+call: every layer's attention becomes onnxruntime's ``com.microsoft::GroupQueryAttention`` over a
+key/value buffer that the runtime binds as both past and present, so the op appends the step's
+keys and values in place (its shared-buffer mode) and reads nothing but the sequence's own.
+
+Input: the graph the paged lowering takes (level 2, 3-D Attention nodes reading
+``past_key_values.{i}.*`` and writing ``present.{i}.*``). Output interface:
+
+    inputs   input_ids, position_ids [1, tokens]     the step's new tokens
+             past_key_values.{i}.key|value           [1, kv_heads, capacity, head_dim], the buffer
+             seqlens_k [1] int32                     positions held after the step, minus one
+             total_sequence_length [] int32          positions held after the step
+             logits_rows [rows]                      which of the step's tokens get logits
+    outputs  logits [1, rows, vocab]
+             present.{i}.key|value                   the same buffer (bound to the same memory)
+
+Rotary embedding stays where the passes put it (do_rotary 0), so positions come from
+position_ids as on the paged path; a layer's window becomes local_window_size (the keys a query
+sees, its own included, as the paged op counts them) and the Attention's softcap carries over.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import onnx
+from onnx import TensorProto, helper
+
+from llmc.errors import LlmcError
+from llmc.passes import contrib_ops
+from llmc.passes.base import Pass, PassResult
+from llmc.passes.graph import Graph, attr
+from llmc.passes.lower_paged_attention import attentions_by_layer, drop_stale_inputs, select_logit_rows
+
+STAGE = "single-sequence lowering"
+
+
+class LowerSingleSequence(Pass):
+    name = "lower-single-sequence"
+
+    def __init__(self, windows: Sequence[int] | None = None):
+        """Args:
+            windows: each layer's attention window, 0 for full attention; None: all full.
+        """
+        self.windows = None if windows is None else tuple(windows)
+
+    def run(self, model: onnx.ModelProto) -> PassResult:
+        contrib_ops.register()
+        graph = Graph(model)
+        inputs = {i.name: i for i in model.graph.input}
+        layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
+        if "position_ids" not in inputs and "position_ids" not in graph.producer:
+            raise LlmcError(f"{STAGE}: the graph has no position_ids input")
+        windows = self.windows or (0,) * layers
+        if len(windows) != layers:
+            raise LlmcError(f"{STAGE}: {len(windows)} layer windows for a graph of {layers} layers")
+        attentions = attentions_by_layer(model, graph, layers, STAGE)
+        past = inputs["past_key_values.0.key"].type.tensor_type.shape.dim
+        kv_heads, head_dim = past[1].dim_value, past[3].dim_value
+        dtype = inputs["past_key_values.0.key"].type.tensor_type.elem_type
+        lowered = {id(a) for a in attentions.values()}
+        nodes = [n for n in model.graph.node if id(n) not in lowered and "position_ids" not in n.output]
+        for layer in range(layers):
+            attention = attentions[layer]
+            scale = attr(attention, "scale")
+            window = windows[layer]
+            nodes.append(helper.make_node(
+                "GroupQueryAttention",
+                [*attention.input[:3], f"past_key_values.{layer}.key", f"past_key_values.{layer}.value",
+                 "seqlens_k", "total_sequence_length"],
+                [attention.output[0], f"present.{layer}.key", f"present.{layer}.value"],
+                name=f"single.{layer}/GroupQueryAttention", domain=contrib_ops.DOMAIN,
+                num_heads=attr(attention, "q_num_heads"), kv_num_heads=kv_heads,
+                scale=float(head_dim ** -0.5 if scale is None else scale),
+                softcap=float(attr(attention, "softcap", 0.0)),
+                local_window_size=window if window else -1, do_rotary=0))
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        model.graph.node.append(select_logit_rows(Graph(model)))
+        vocab = next(o for o in model.graph.output if o.name == "logits").type.tensor_type.shape.dim[2].dim_value
+
+        value = helper.make_tensor_value_info
+        buffer = [1, kv_heads, "capacity", head_dim]
+        new_inputs = [value("input_ids", TensorProto.INT64, [1, "tokens"]),
+                      value("position_ids", TensorProto.INT64, [1, "tokens"])]
+        new_inputs += [value(f"past_key_values.{layer}.{part}", dtype, buffer)
+                       for layer in range(layers) for part in ("key", "value")]
+        new_inputs += [value("seqlens_k", TensorProto.INT32, [1]), value("total_sequence_length", TensorProto.INT32, []),
+                       value("logits_rows", TensorProto.INT64, ["rows"])]
+        outputs = [value("logits", dtype, [1, "rows", vocab])]
+        outputs += [value(f"present.{layer}.{part}", dtype, buffer) for layer in range(layers) for part in ("key", "value")]
+        del model.graph.input[:]
+        model.graph.input.extend(new_inputs)
+        del model.graph.output[:]
+        model.graph.output.extend(outputs)
+        del model.graph.value_info[:]  # the interface's shapes changed; the check infers them again
+        if not any(o.domain == contrib_ops.DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(contrib_ops.DOMAIN, 1))
+        drop_stale_inputs(model, inputs, STAGE, "the single-sequence interface")
+        return PassResult(model, layers, [f"{layers} layers"])

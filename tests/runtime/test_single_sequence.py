@@ -1,0 +1,115 @@
+"""Steps of one sequence on the single-sequence graph (passes/lower_single_sequence.py,
+runtime/backends/single_sequence.py): the graph equals the original one, and an engine that
+switches between it and the segments makes the same tokens and logits as one that never does."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from llmc.compiler.compare import run_onnx
+from llmc.compiler.pipeline import optimize
+from llmc.formats.engine_file import read_manifest
+from llmc.formats.onnx_io import serialize
+from llmc.formats.sessions import open_session, session_options
+from llmc.passes.lower_single_sequence import LowerSingleSequence
+from llmc.runtime.engine import Engine
+from llmc.runtime.sampling_params import SamplingParams
+
+
+def test_graph_in_chunks_equals_the_original_graph_at_once(tiny_llama_onnx):
+    """Prefill chunks with and without a past, then decodes, through one buffer bound as both
+    past and present: every position's logits equal the original graph's over the whole
+    sequence (4 layers, 2 kv heads, head dim 64)."""
+    original = onnx.load(tiny_llama_onnx)
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    LowerSingleSequence().run(model)
+    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph.node) == 4
+    assert not any(n.op_type == "Attention" for n in model.graph.node)
+    session = open_session(serialize(model), session_options(1))
+    binding = session.io_binding()
+    binding.bind_output("logits")
+    buffers = []
+    for layer in range(4):
+        for part in ("key", "value"):
+            buffer = ort.OrtValue.ortvalue_from_numpy(np.full((1, 2, 64, 64), np.nan, np.float32))
+            binding.bind_ortvalue_input(f"past_key_values.{layer}.{part}", buffer)
+            binding.bind_ortvalue_output(f"present.{layer}.{part}", buffer)
+            buffers.append(buffer)
+    ids = np.random.default_rng(0).integers(0, 258, 31)
+    got, past = [], 0
+    for count in (12, 9, 1, 1, 1, 1, 5, 1):
+        total = past + count
+        binding.bind_cpu_input("input_ids", ids[None, past:total])
+        binding.bind_cpu_input("position_ids", np.arange(past, total)[None])
+        binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+        binding.bind_cpu_input("logits_rows", np.arange(count))
+        binding.bind_output("logits")
+        session.run_with_iobinding(binding)
+        got.append(binding.get_outputs()[0].numpy()[0])
+        past = total
+    feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, 31), np.int64), "position_ids": np.arange(31)[None]}
+    feeds.update({f"past_key_values.{i}.{part}": np.zeros((1, 2, 0, 64), np.float32)
+                  for i in range(4) for part in ("key", "value")})
+    want = run_onnx(original, feeds)["logits"][0]
+    np.testing.assert_allclose(np.concatenate(got), want, atol=1e-4, rtol=0)
+
+
+def run_traffic(engine: Engine) -> list[list[int]]:
+    """A request alone, a second joining it, the first alone again, then a third sharing the
+    first's prompt (a prefix-cache hit) alone: single-sequence steps before, between and after
+    steps of two sequences."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompt = list(range(40, 90))
+    first = engine.add_request(prompt, params)
+    tokens = {first: []}
+    for _ in range(4):
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    second = engine.add_request(list(range(100, 120)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    tokens[second] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    third = engine.add_request(prompt + [7, 8, 9], params)
+    tokens[third] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[first], tokens[second], tokens[third]]
+
+
+def test_switching_paths_makes_the_tokens_of_the_segments_alone(tiny_llama_engine):
+    assert read_manifest(tiny_llama_engine)["paged"]["single_sequence"] == "single_sequence.onnx"
+    switching = Engine(tiny_llama_engine, kv_pool_mb=4)
+    assert switching.decoder._sessions is None  # not built until a step holds two sequences
+    segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)
+    assert segments.decoder.single is None
+    calls = []
+    step = switching.decoder.single.step
+    switching.decoder.single.step = lambda *args: calls.append(len(args[0])) or step(*args)
+    got = run_traffic(switching)
+    assert got == run_traffic(segments)
+    assert [len(t) for t in got] == [12, 3, 12]
+    assert switching.decoder._sessions is not None and len(calls) > 12
+    assert switching.blocks.stats.prefix_hit_rate > 0  # the third request read the first's blocks
+
+
+def test_logits_equal_the_segments_path(tiny_llama_engine):
+    ids = np.random.default_rng(1).integers(0, 258, 70)
+    single = Engine(tiny_llama_engine, kv_pool_mb=4).logits(ids)
+    segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False).logits(ids)
+    np.testing.assert_allclose(single, segments, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("options", [["--kv-cache-dtype", "fp16"], ["--backend", "onnxruntime", "--no-paged"]])
+def test_engines_the_buffer_cannot_mirror_have_no_single_sequence_graph(tiny_llama_onnx, tmp_path, options):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    result = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(tmp_path / "e.plan"), *options])
+    assert result.exit_code == 0, result.output
+    paged = read_manifest(tmp_path / "e.plan")["paged"]
+    assert paged is None or paged["single_sequence"] is None
