@@ -121,5 +121,5 @@ def single_sequence_graph(model: onnx.ModelProto, interface: DecoderInterface,
         return None
     single = onnx.ModelProto()
     single.CopyFrom(model)  # weights are references (onnx_io): the copy is the graph's structure
-    LowerSingleSequence(interface.windows).run(single)
+    LowerSingleSequence(interface.windows, options.max_seq_len or interface.geometry.max_positions).run(single)
     return single

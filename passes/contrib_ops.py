@@ -90,7 +90,9 @@ def _group_query_attention() -> OpSchema:
                 OpSchema.FormalParameter("value", "T", param_option=optional),
                 OpSchema.FormalParameter("past_key", "T", param_option=optional),
                 OpSchema.FormalParameter("past_value", "T", param_option=optional),
-                OpSchema.FormalParameter("seqlens_k", "M"), OpSchema.FormalParameter("total_sequence_length", "M")],
+                OpSchema.FormalParameter("seqlens_k", "M"), OpSchema.FormalParameter("total_sequence_length", "M"),
+                OpSchema.FormalParameter("cos_cache", "T", param_option=optional),
+                OpSchema.FormalParameter("sin_cache", "T", param_option=optional)],
         outputs=[OpSchema.FormalParameter("output", "T"),
                  OpSchema.FormalParameter("present_key", "T", param_option=optional),
                  OpSchema.FormalParameter("present_value", "T", param_option=optional)],
@@ -103,8 +105,18 @@ def _group_query_attention() -> OpSchema:
 
 
 def _group_query_attention_outputs(ctx) -> None:
-    """The output is shaped like the query; the presents like the pasts (the buffer is shared)."""
-    ctx.set_output_type(0, _copy(ctx.get_input_type(0)))
+    """The output is shaped like the query (its heads' part of a packed query, key and value);
+    the presents like the pasts (the buffer is shared)."""
+    out = _copy(ctx.get_input_type(0))
+    packed = ctx.get_num_inputs() < 2 or not ctx.has_input(1)
+    dims = out.tensor_type.shape.dim if out.tensor_type.HasField("shape") else []
+    if packed and dims:
+        heads, kv_heads = ctx.get_attribute("num_heads").i, ctx.get_attribute("kv_num_heads").i
+        width = dims[-1].dim_value
+        dims[-1].Clear()
+        if width:
+            dims[-1].dim_value = width // (heads + 2 * kv_heads) * heads
+    ctx.set_output_type(0, out)
     for output, past in ((1, 3), (2, 4)):
         if ctx.get_num_outputs() > output and ctx.has_output(output):
             ctx.set_output_type(output, _copy(ctx.get_input_type(past)))

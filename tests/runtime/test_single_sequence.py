@@ -12,20 +12,26 @@ from llmc.compiler.pipeline import optimize
 from llmc.formats.engine_file import read_manifest
 from llmc.formats.onnx_io import serialize
 from llmc.formats.sessions import open_session, session_options
+from llmc.passes.graph import attr
 from llmc.passes.lower_single_sequence import LowerSingleSequence
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
 
 
-def test_graph_in_chunks_equals_the_original_graph_at_once(tiny_llama_onnx):
+@pytest.mark.parametrize("positions", [None, 64])
+def test_graph_in_chunks_equals_the_original_graph_at_once(tiny_llama_onnx, positions):
     """Prefill chunks with and without a past, then decodes, through one buffer bound as both
     past and present: every position's logits equal the original graph's over the whole
-    sequence (4 layers, 2 kv heads, head dim 64)."""
+    sequence (4 layers, 2 kv heads, head dim 64), with rotary embedding left to its own nodes or,
+    given the positions, applied by the attention op from tables evaluated at compile time."""
     original = onnx.load(tiny_llama_onnx)
     model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
-    LowerSingleSequence().run(model)
-    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph.node) == 4
-    assert not any(n.op_type == "Attention" for n in model.graph.node)
+    LowerSingleSequence(positions=positions).run(model)
+    attentions = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attentions) == 4 and not any(n.op_type == "Attention" for n in model.graph.node)
+    count = {op: sum(n.op_type == op for n in model.graph.node) for op in ("RotaryEmbedding", "Split")}
+    assert count == ({"RotaryEmbedding": 0, "Split": 4} if positions else {"RotaryEmbedding": 8, "Split": 8})
+    assert all(attr(n, "do_rotary") == int(positions is not None) for n in attentions)
     session = open_session(serialize(model), session_options(1))
     binding = session.io_binding()
     binding.bind_output("logits")
