@@ -419,7 +419,7 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
         server_ray.run(app, host, port)
         return
     _share_threads(threads)
-    loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb)
+    loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1)
     app = create_app(loaded, ServerOptions(model_name=name, max_waiting=max_waiting))
     click.echo(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops)", err=True)
     run_server(app, host, port)
@@ -614,7 +614,8 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
         serving.require_matplotlib()
     _share_threads(threads)
     engine, workload = serving.prepare(_existing(engine_path), spec, prompts=prompts, max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens, threads=threads)
+                                       max_num_batched_tokens=max_num_batched_tokens, threads=threads,
+                                       concurrent=batch != 1)
     with click.progressbar(length=sum(r.output_len for r in workload), label="llmc bench", file=sys.stderr) as bar:
         result = serving.run_workload(engine, workload, progress=bar.update, concurrency=batch)
     summary = serving.summarize(result)

@@ -31,7 +31,8 @@ class Replica:
         from llmc.runtime.scheduler import SchedulerConfig
         from llmc.server import create_app
 
-        engine = Engine(engine_path, SchedulerConfig(**scheduler), threads=threads, kv_pool_mb=kv_pool_mb)
+        config = SchedulerConfig(**scheduler)
+        engine = Engine(engine_path, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1)
         self._app = create_app(engine, options)
 
     def __serve_build_asgi_app__(self):

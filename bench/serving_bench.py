@@ -164,9 +164,9 @@ def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seat
 
     share_threads(threads)  # as `llmc bench` does: the benchmark's process is llmc's own
     config = SchedulerConfig(max_num_seqs=seats) if seats else None  # None: the engine's max batch
-    engine = Engine(engine_path, config, threads=threads)
+    engine = Engine(engine_path, config, threads=threads, concurrent=True)
     run_workload(engine, [BenchRequest(workload[0].prompt[:16], 4)])  # warm-up
-    engine = Engine(engine_path, config, threads=threads)  # fresh counters
+    engine = Engine(engine_path, config, threads=threads, concurrent=True)  # fresh counters
     done = 0
 
     def progress(tokens: int) -> None:
@@ -234,7 +234,7 @@ def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[
     from llmc.runtime.engine import Engine
 
     def short_ttfts(workload: list[BenchRequest], skip: int) -> tuple[dict[str, Any], list[float]]:
-        engine = Engine(engine_path, threads=threads)
+        engine = Engine(engine_path, threads=threads, concurrent=True)
         run_workload(engine, [BenchRequest(workload[-1].prompt[:16], 2)])  # warm-up
         result = run_workload(engine, workload)
         records = result.records[skip:]

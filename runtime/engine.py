@@ -111,19 +111,23 @@ class Engine:
         single_sequence: run steps that hold one sequence on the engine's single-sequence graph
             (runtime/backends/single_sequence.py), when it has one; False: every step on the
             segments (the CPU backend only).
+        concurrent: requests are expected to overlap (a server, a throughput benchmark): the
+            segments' sessions are built at load, not by the first step of several sequences
+            (the CPU backend only; see `PagedDecoder`).
     """
 
     def __init__(self, engine: str | os.PathLike | EngineFile, config: SchedulerConfig | None = None,
                  threads: int | None = None, kv_pool_mb: float | None = None, *,
-                 section_check: SectionCheck | None = None, single_sequence: bool = True):
+                 section_check: SectionCheck | None = None, single_sequence: bool = True,
+                 concurrent: bool = False):
         self.section_check = section_check
         if isinstance(engine, EngineFile):
-            self._load(engine, threads, kv_pool_mb, single_sequence)
+            self._load(engine, threads, kv_pool_mb, single_sequence, concurrent)
         else:
             engine = load_engine_file(engine, verify=False)
             self.section_check = SectionCheck(engine)
             with self.section_check.graphs_checked():  # in a thread while the sessions are built
-                self._load(engine, threads, kv_pool_mb, single_sequence)
+                self._load(engine, threads, kv_pool_mb, single_sequence, concurrent)
         paged = engine.manifest.paged
         self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch)
         self.blocks = BlockManager(self.decoder.num_blocks, paged.block_size, paged.window)
@@ -134,7 +138,8 @@ class Engine:
         self._texts: dict[str, IncrementalText] = {}
         self._utilization_sum, self._steps = 0.0, 0
 
-    def _load(self, engine: EngineFile, threads: int | None, kv_pool_mb: float | None, single_sequence: bool) -> None:
+    def _load(self, engine: EngineFile, threads: int | None, kv_pool_mb: float | None, single_sequence: bool,
+              concurrent: bool) -> None:
         if engine.manifest.paged is None:
             raise LlmcError(f"{engine.path}: not a paged engine ({engine.manifest.not_paged}); Engine needs one")
         self.path, self.manifest = engine.path, engine.manifest
@@ -144,7 +149,7 @@ class Engine:
 
             self.decoder = TensorRTDecoder(engine, threads, kv_pool_mb)
         else:
-            self.decoder = PagedDecoder(engine, threads, kv_pool_mb, single_sequence)
+            self.decoder = PagedDecoder(engine, threads, kv_pool_mb, single_sequence, segments_at_load=concurrent)
 
     def request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                 priority: int = 0, request_id: str | None = None) -> Request:

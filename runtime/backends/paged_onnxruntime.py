@@ -117,10 +117,13 @@ class PagedDecoder:
             (see `pool_blocks`).
         single_sequence: run steps of one sequence on the single-sequence graph, when the engine
             has one; False runs every step on the segments.
+        segments_at_load: build the segments at load even when the single-sequence graph is
+            there (a server or benchmark that expects concurrent requests: no step of several
+            sequences waits for them, and the weights are held twice from the start).
     """
 
     def __init__(self, engine: EngineFile, threads: int | None = None, kv_pool_mb: float | None = None,
-                 single_sequence: bool = True):
+                 single_sequence: bool = True, segments_at_load: bool = False):
         manifest, paged = engine.manifest, engine.manifest.paged
         if paged is None:
             raise LlmcError(f"{engine.path}: not a paged engine ({manifest.not_paged})")
@@ -138,7 +141,7 @@ class PagedDecoder:
                                          geometry.head_dim, paged.max_seq_len, paged.block_size, paged.kv_dtype,
                                          allocate_pool)
             drop_file_pages(engine)  # as after the segments' sessions (see `_segmented`)
-        else:
+        if self.single is None or segments_at_load:
             self._segmented()
         self.num_blocks = pool_blocks(paged, geometry, kv_pool_mb)
         shape = (self.num_blocks, geometry.num_kv_heads, paged.block_size, geometry.head_dim)
@@ -171,10 +174,6 @@ class PagedDecoder:
             # from this process's resident set (they stay in the page cache).
             drop_file_pages(engine)
         return self._attention, self._sessions
-
-    @property
-    def attention(self) -> CpuPagedAttention:
-        return self._segmented()[0]
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
              rows: np.ndarray | None = None) -> np.ndarray:

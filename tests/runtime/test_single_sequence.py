@@ -92,6 +92,8 @@ def test_switching_paths_makes_the_tokens_of_the_segments_alone(tiny_llama_engin
     assert switching.decoder._sessions is None  # not built until a step holds two sequences
     segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)
     assert segments.decoder.single is None
+    both = Engine(tiny_llama_engine, kv_pool_mb=4, concurrent=True)  # a server's: both paths built at load
+    assert both.decoder.single is not None and both.decoder._sessions is not None
     calls = []
     step = switching.decoder.single.step
     switching.decoder.single.step = lambda *args: calls.append(len(args[0])) or step(*args)
