@@ -115,11 +115,16 @@ def single_sequence_graph(model: onnx.ModelProto, interface: DecoderInterface,
     """A copy of the optimized graph lowered for one sequence at a time, or None where its buffer
     could not mirror the pool: a pool in another type than the model's float32 (the paged path
     rounds keys and values to it), or windows on every layer (the block manager then frees
-    blocks behind them, which the buffer would still hold)."""
+    blocks behind them, which the buffer would still hold); or where the lowering refuses the
+    graph (a node other than attention reading the past): the engine then runs every step on its
+    segments, as engines did before it had this graph."""
     kv_dtype = options.kv_dtype or interface.dtype
     if interface.dtype != "float32" or kv_dtype != "float32" or reusable_window(interface.windows) is not None:
         return None
     single = onnx.ModelProto()
     single.CopyFrom(model)  # weights are references (onnx_io): the copy is the graph's structure
-    LowerSingleSequence(interface.windows, options.max_seq_len or interface.geometry.max_positions).run(single)
+    try:
+        LowerSingleSequence(interface.windows, options.max_seq_len or interface.geometry.max_positions).run(single)
+    except LlmcError:
+        return None
     return single

@@ -114,7 +114,7 @@ class LowerPagedAttention(Pass):
         model.graph.value_info.extend(attended)
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-        drop_stale_inputs(model, inputs, "paged lowering", "the paged interface")
+        drop_stale_inputs(model, stale_inputs(inputs), "paged lowering", "the paged interface")
         windowed = sum(1 for w in windows if w)
         report = f"block size {self.block_size}, {layers} layers" + (
             f", {windowed} with a sliding window ({', '.join(str(w) for w in sorted(set(windows) - {0}))})"
@@ -176,15 +176,17 @@ def attentions_by_layer(model: onnx.ModelProto, graph: Graph, layers: int, stage
     return attentions
 
 
-def drop_stale_inputs(model: onnx.ModelProto, old_inputs, stage: str, interface: str) -> None:
+def drop_stale_inputs(model: onnx.ModelProto, stale: set[str], stage: str, interface: str,
+                      allowed: tuple[str, ...] = ()) -> None:
     """After the interface changed: the nodes nothing reads any more go, and a node still reading
-    the attention mask or a past input is an error naming it."""
+    one of the `stale` values (the attention mask, the past inputs), other than the `allowed` op
+    types, is an error naming it."""
     graph = Graph(model)
     graph._replace_nodes(list(model.graph.node))  # toposort: new nodes were appended
     graph.remove_dead()
-    stale = {"attention_mask"} | {i for i in old_inputs if i.startswith("past_key_values.")}
-    stale -= {i.name for i in model.graph.input}
     for node in model.graph.node:
+        if node.op_type in allowed:
+            continue
         # torch.export may read the batch size off any input with that dim, a past one
         # included (GPT-2); the new interface's batch is input_ids' too.
         if (node.op_type == "Shape" and node.input[0] in stale and node.input[0] != "attention_mask"
@@ -193,6 +195,12 @@ def drop_stale_inputs(model: onnx.ModelProto, old_inputs, stage: str, interface:
         if stale & set(node.input):
             raise LlmcError(f"{stage}: node '{node.name}' ({node.op_type}) still reads "
                             f"{sorted(stale & set(node.input))[0]}, which {interface} drops")
+
+
+def stale_inputs(old_inputs) -> set[str]:
+    """The decoder inputs a lowered interface no longer offers as they were: the attention mask
+    and the past keys and values."""
+    return {"attention_mask"} | {i for i in old_inputs if i.startswith("past_key_values.")}
 
 
 def _layer_of(past_name: str) -> int | None:

@@ -43,7 +43,7 @@ from llmc.formats.onnx_io import tensor_array
 from llmc.passes import contrib_ops
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.graph import Graph, attr
-from llmc.passes.lower_paged_attention import attentions_by_layer, drop_stale_inputs, select_logit_rows
+from llmc.passes.lower_paged_attention import attentions_by_layer, drop_stale_inputs, select_logit_rows, stale_inputs
 
 STAGE = "single-sequence lowering"
 
@@ -123,7 +123,9 @@ class LowerSingleSequence(Pass):
         del model.graph.value_info[:]  # the interface's shapes changed; the check infers them again
         if not any(o.domain == contrib_ops.DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(contrib_ops.DOMAIN, 1))
-        drop_stale_inputs(model, inputs, STAGE, "the single-sequence interface")
+        # Only the attention op may read a past input: its length here is the buffer's, not the past's.
+        drop_stale_inputs(model, stale_inputs(inputs), STAGE, "the single-sequence interface",
+                          allowed=("GroupQueryAttention",))
         return PassResult(model, layers, [f"{layers} layers, {rotary} with rotary inside attention"])
 
     @staticmethod

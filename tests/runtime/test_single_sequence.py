@@ -121,3 +121,29 @@ def test_engines_the_buffer_cannot_mirror_have_no_single_sequence_graph(tiny_lla
     assert result.exit_code == 0, result.output
     paged = read_manifest(tmp_path / "e.plan")["paged"]
     assert paged is None or paged["single_sequence"] is None
+
+
+def test_a_graph_reading_the_past_elsewhere_gets_no_single_sequence_graph(tiny_llama_onnx):
+    """A node other than attention reading a past input would see the buffer's length, not the
+    past's: the lowering refuses the graph, naming the node, and the engine keeps only segments."""
+    from onnx import helper
+
+    from llmc.compiler.paged_engine import PagedOptions, single_sequence_graph
+    from llmc.errors import LlmcError
+    from llmc.formats.decoder_interface import recognize_decoder
+
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    interface = recognize_decoder(model, tiny_llama_onnx)
+    head = next(n for n in model.graph.node if "logits" in n.output)
+    head.output[list(head.output).index("logits")] = "logits_raw"
+    model.graph.initializer.append(helper.make_tensor("zero", onnx.TensorProto.FLOAT, [], [0.0]))
+    model.graph.node.extend([
+        helper.make_node("Shape", ["past_key_values.0.key"], ["past_length"], name="reads_the_past", start=2, end=3),
+        helper.make_node("Cast", ["past_length"], ["past_length_f"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("Mul", ["past_length_f", "zero"], ["nothing"]),
+        helper.make_node("Add", ["logits_raw", "nothing"], ["logits"])])
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    with pytest.raises(LlmcError, match="node 'reads_the_past' \\(Shape\\) still reads past_key_values.0.key"):
+        LowerSingleSequence(positions=64).run(copy)
+    assert single_sequence_graph(model, interface, PagedOptions()) is None
