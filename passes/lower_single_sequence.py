@@ -1,5 +1,6 @@
 """Lower a decoder with past/present tensors to the single-sequence interface: one whole-graph
-onnxruntime session for steps that hold one sequence (runtime/backends/single_sequence.py).
+onnxruntime session for steps that hold one sequence, or one new token for each of several
+(runtime/backends/whole_graph.py).
 
 A paged engine's step runs a session per segment and the attention kernel between them; for a
 step of one sequence that is most of the step (25M Llama, batch-1 decode: 7 segment runs, 6
@@ -11,10 +12,12 @@ keys and values in place (its shared-buffer mode) and reads nothing but the sequ
 Input: the graph the paged lowering takes (level 2, 3-D Attention nodes reading
 ``past_key_values.{i}.*`` and writing ``present.{i}.*``). Output interface:
 
-    inputs   input_ids, position_ids [1, tokens]     the step's new tokens
-             past_key_values.{i}.key|value           [1, kv_heads, capacity, head_dim], the buffer
-             seqlens_k [1] int32                     positions held after the step, minus one
-             total_sequence_length [] int32          positions held after the step
+    inputs   input_ids, position_ids [1, tokens]     the step's new tokens, sequence after
+                                                     sequence, as many for each
+             past_key_values.{i}.key|value           [sequences, kv_heads, capacity, head_dim],
+                                                     the buffer, a row per sequence
+             seqlens_k [sequences] int32             positions each holds after the step, minus one
+             total_sequence_length [] int32          the most positions one holds after the step
              logits_rows [rows]                      which of the step's tokens get logits
     outputs  logits [1, rows, vocab]
              present.{i}.key|value                   the same buffer (bound to the same memory)
@@ -25,7 +28,8 @@ projection and applies rotary itself (do_rotary) from cos/sin tables of every po
 `positions`, evaluated here from the graph's own table subgraph: the Split, the two
 RotaryEmbedding nodes and the per-step table computation leave the step (measured on the 25M
 Llama, int4: 66 small ops a step → 28). Elsewhere rotary stays where the passes put it and the op
-gets query, key and value apart. A layer's window becomes local_window_size (the keys a query
+gets query, key and value apart. Around the op the packed tokens are reshaped to
+[sequences, tokens each, width] and back (no copy). A layer's window becomes local_window_size (the keys a query
 sees, its own included, as the paged op counts them) and the Attention's softcap carries over.
 """
 
@@ -46,6 +50,8 @@ from llmc.passes.graph import Graph, attr
 from llmc.passes.lower_paged_attention import attentions_by_layer, drop_stale_inputs, select_logit_rows, stale_inputs
 
 STAGE = "single-sequence lowering"
+SEQUENCES_SHAPE = "single.sequences_shape"  # [sequences, -1, 0]: the step's tokens, sequence by sequence
+PACKED_SHAPE = "single.packed_shape"  # [1, -1, 0]: back to the rest of the graph's packed tokens
 
 
 class LowerSingleSequence(Pass):
@@ -91,28 +97,40 @@ class LowerSingleSequence(Pass):
                     tables[cos, sin] = self._tables(model, graph, cos, sin, len(tables))
                 qkv, caches = [projection, "", ""], list(tables[cos, sin])
                 rotary += 1
+            # The step's tokens as [sequences, tokens each, width] for the op, and back.
+            batched = [f"single.{layer}.{part}" if name else "" for part, name in zip("qkv", qkv)]
+            nodes += [helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [out], name=f"{out}/Reshape")
+                      for name, out in zip(qkv, batched) if name]
+            attended = f"single.{layer}.attended"
             nodes.append(helper.make_node(
                 "GroupQueryAttention",
-                [*qkv, f"past_key_values.{layer}.key", f"past_key_values.{layer}.value",
+                [*batched, f"past_key_values.{layer}.key", f"past_key_values.{layer}.value",
                  "seqlens_k", "total_sequence_length", *caches],
-                [attention.output[0], f"present.{layer}.key", f"present.{layer}.value"],
+                [attended, f"present.{layer}.key", f"present.{layer}.value"],
                 name=f"single.{layer}/GroupQueryAttention", domain=contrib_ops.DOMAIN,
                 num_heads=attr(attention, "q_num_heads"), kv_num_heads=kv_heads,
                 scale=float(head_dim ** -0.5 if scale is None else scale),
                 softcap=float(attr(attention, "softcap", 0.0)),
                 local_window_size=window if window else -1, do_rotary=int(packed is not None)))
+            nodes.append(helper.make_node("Reshape", [attended, PACKED_SHAPE], [attention.output[0]],
+                                          name=f"{attention.output[0]}/Reshape"))
+        nodes[:0] = [helper.make_node("Shape", ["seqlens_k"], ["single.sequences"], name="single.sequences/Shape"),
+                     helper.make_node("Concat", ["single.sequences", "single.tokens_width"], [SEQUENCES_SHAPE],
+                                      name=f"{SEQUENCES_SHAPE}/Concat", axis=0)]
+        model.graph.initializer.extend([numpy_helper.from_array(np.array([-1, 0], np.int64), "single.tokens_width"),
+                                        numpy_helper.from_array(np.array([1, -1, 0], np.int64), PACKED_SHAPE)])
         del model.graph.node[:]
         model.graph.node.extend(nodes)
         model.graph.node.append(select_logit_rows(Graph(model)))
         vocab = next(o for o in model.graph.output if o.name == "logits").type.tensor_type.shape.dim[2].dim_value
 
         value = helper.make_tensor_value_info
-        buffer = [1, kv_heads, "capacity", head_dim]
+        buffer = ["sequences", kv_heads, "capacity", head_dim]
         new_inputs = [value("input_ids", TensorProto.INT64, [1, "tokens"]),
                       value("position_ids", TensorProto.INT64, [1, "tokens"])]
         new_inputs += [value(f"past_key_values.{layer}.{part}", dtype, buffer)
                        for layer in range(layers) for part in ("key", "value")]
-        new_inputs += [value("seqlens_k", TensorProto.INT32, [1]), value("total_sequence_length", TensorProto.INT32, []),
+        new_inputs += [value("seqlens_k", TensorProto.INT32, ["sequences"]), value("total_sequence_length", TensorProto.INT32, []),
                        value("logits_rows", TensorProto.INT64, ["rows"])]
         outputs = [value("logits", dtype, [1, "rows", vocab])]
         outputs += [value(f"present.{layer}.{part}", dtype, buffer) for layer in range(layers) for part in ("key", "value")]

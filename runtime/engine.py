@@ -108,9 +108,9 @@ class Engine:
             (runtime/backends/paged_onnxruntime.py, `pool_blocks`).
         section_check: the checksums of an engine read by the caller, still being verified: a
             mismatch fails the steps after it is found.
-        single_sequence: run steps that hold one sequence on the engine's single-sequence graph
-            (runtime/backends/single_sequence.py), when it has one; False: every step on the
-            segments (the CPU backend only).
+        single_sequence: run steps that hold one sequence, or only decodes, on the engine's
+            single-sequence graph (runtime/backends/whole_graph.py), when it has one; False:
+            every step on the segments (the CPU backend only).
         concurrent: requests are expected to overlap (a server, a throughput benchmark): the
             segments' sessions are built at load, not by the first step of several sequences
             (the CPU backend only; see `PagedDecoder`).

@@ -36,7 +36,7 @@ from llmc.formats.engine_file import EngineFile, FileRange
 from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.formats.sessions import open_session, session_options
 from llmc.runtime.backends.onnxruntime import drop_file_pages, release_model_bytes
-from llmc.runtime.backends.single_sequence import SingleSequence
+from llmc.runtime.backends.whole_graph import WholeGraph
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.plugins.paged_attention_cpu import DENSE_MIN_TOKENS, CpuPagedAttention
 
@@ -104,18 +104,19 @@ def available_memory() -> int | None:
 class PagedDecoder:
     """The KV pools, and the sessions and attention kernel that read and write them.
 
-    A step of one sequence runs the engine's single-sequence graph when it has one
-    (runtime/backends/single_sequence.py); any other step runs the segments, onnxruntime sessions
-    with the attention kernel between them. Each path's sessions are built when it first runs a
-    step (the single-sequence one at load): a process that only ever runs one sequence at a time
-    never builds the segments, nor loads the kernel, and holds its weights once.
+    A step of one sequence, or a decode of at most the engine's max batch, runs the engine's
+    single-sequence graph when it has one (runtime/backends/whole_graph.py); any other step (a
+    prompt chunk beside other sequences) runs the segments, onnxruntime sessions with the
+    attention kernel between them. Each path's sessions are built when it first runs a step (the
+    whole graph's at load): a process that never mixes a prompt with other sequences never
+    builds the segments, nor loads the kernel, and holds its weights once.
 
     Args:
         engine: a paged engine file.
         threads: CPU threads; None uses every core.
         kv_pool_mb: the KV pool's size in MiB; None: the compiled size, or the default rule
             (see `pool_blocks`).
-        single_sequence: run steps of one sequence on the single-sequence graph, when the engine
+        single_sequence: run the steps it can take on the single-sequence graph, when the engine
             has one; False runs every step on the segments.
         segments_at_load: build the segments at load even when the single-sequence graph is
             there (a server or benchmark that expects concurrent requests: no step of several
@@ -137,9 +138,9 @@ class PagedDecoder:
         self._sessions: list | None = None
         self.single = None
         if single_sequence and paged.single_sequence:
-            self.single = SingleSequence(self._open(paged.single_sequence), geometry.num_layers, geometry.num_kv_heads,
-                                         geometry.head_dim, paged.max_seq_len, paged.block_size, paged.kv_dtype,
-                                         allocate_pool)
+            self.single = WholeGraph(self._open(paged.single_sequence), geometry.num_layers, geometry.num_kv_heads,
+                                     geometry.head_dim, paged.max_seq_len, paged.block_size, paged.kv_dtype,
+                                     paged.max_batch, allocate_pool)
             drop_file_pages(engine)  # as after the segments' sessions (see `_segmented`)
         if self.single is None or segments_at_load:
             self._segmented()
@@ -180,10 +181,8 @@ class PagedDecoder:
         """Run one packed step; stores its keys and values; returns the logits of the packed
         `rows` (default: each sequence's last token)."""
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
-        if self.single is not None and batch.num_seqs == 1:
+        if self.single is not None and self.single.runs(batch, len(tokens)):
             return self.single.step(tokens, positions, batch, rows, self.pools)
-        if self.single is not None:
-            self.single.invalidate()  # this step writes the pool by the other path
         attention, sessions = self._segmented()
         layout = attention.layout(batch, self.windows)
         values = {"input_ids": tokens[None], "position_ids": positions[None],
@@ -204,6 +203,8 @@ class PagedDecoder:
                 values[call.output] = attended.astype(query.dtype, copy=False)  # the kernel computes in fp32
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = batch.slots(self.block_size)
+        if self.single is not None:
+            self.single.written(blocks)
         for pool, new in stores:
             attention.store(pool, new, blocks, offsets)
         return values["logits"][0]
@@ -211,7 +212,7 @@ class PagedDecoder:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: pool block `src` into `dst` for each pair, in every pool."""
         if pairs and self.single is not None:
-            self.single.invalidate()
+            self.single.written(np.array([dst for _, dst in pairs]))
         for pool in self.pools.values():
             for src, dst in pairs:
                 pool[dst] = pool[src]

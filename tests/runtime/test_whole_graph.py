@@ -1,6 +1,7 @@
-"""Steps of one sequence on the single-sequence graph (passes/lower_single_sequence.py,
-runtime/backends/single_sequence.py): the graph equals the original one, and an engine that
-switches between it and the segments makes the same tokens and logits as one that never does."""
+"""Steps of one sequence, and decodes of several, on the single-sequence graph
+(passes/lower_single_sequence.py, runtime/backends/whole_graph.py): the graph equals the original
+one, and an engine that switches between it and the segments makes the same tokens and logits as
+one that never does."""
 
 import numpy as np
 import onnx
@@ -62,6 +63,48 @@ def test_graph_in_chunks_equals_the_original_graph_at_once(tiny_llama_onnx, posi
     np.testing.assert_allclose(np.concatenate(got), want, atol=1e-4, rtol=0)
 
 
+def test_a_decode_of_several_sequences_equals_each_alone(tiny_llama_onnx):
+    """Three sequences of different lengths in rows of one buffer, each prefilled alone, then
+    decoded together (one token each, a row per sequence): every logits row equals the original
+    graph's at that sequence's last position."""
+    original = onnx.load(tiny_llama_onnx)
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    LowerSingleSequence(positions=64).run(model)
+    session = open_session(serialize(model), session_options(1))
+    buffers = {f"{layer}.{part}": np.full((3, 2, 64, 64), np.nan, np.float32)
+               for layer in range(4) for part in ("key", "value")}
+
+    def run(rows: slice, ids: np.ndarray, positions: np.ndarray, totals: list[int], logits_rows) -> np.ndarray:
+        binding = session.io_binding()
+        binding.bind_output("logits")
+        values = []
+        for name, buffer in buffers.items():
+            values.append(ort.OrtValue.ortvalue_from_numpy(buffer[rows]))
+            binding.bind_ortvalue_input(f"past_key_values.{name}", values[-1])
+            binding.bind_ortvalue_output(f"present.{name}", values[-1])
+        binding.bind_cpu_input("input_ids", ids[None])
+        binding.bind_cpu_input("position_ids", positions[None])
+        binding.bind_cpu_input("seqlens_k", np.array(totals, np.int32) - 1)
+        binding.bind_cpu_input("total_sequence_length", np.array(max(totals), np.int32))
+        binding.bind_cpu_input("logits_rows", np.asarray(logits_rows, np.int64))
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[0]
+
+    rng = np.random.default_rng(3)
+    sequences = [rng.integers(0, 258, n) for n in (7, 30, 18)]
+    for row, ids in enumerate(sequences):
+        run(slice(row, row + 1), ids[:-1], np.arange(len(ids) - 1), [len(ids) - 1], [len(ids) - 2])
+    got = run(slice(0, 3), np.array([ids[-1] for ids in sequences]), np.array([len(ids) - 1 for ids in sequences]),
+              [len(ids) for ids in sequences], [2, 0, 1])
+    for row, ids in zip((1, 2, 0), sequences):
+        n = len(ids)
+        feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, n), np.int64), "position_ids": np.arange(n)[None]}
+        feeds.update({f"past_key_values.{i}.{part}": np.zeros((1, 2, 0, 64), np.float32)
+                      for i in range(4) for part in ("key", "value")})
+        want = run_onnx(original, feeds)["logits"][0, -1]
+        np.testing.assert_allclose(got[row], want, atol=1e-4, rtol=0)
+
+
 def run_traffic(engine: Engine) -> list[list[int]]:
     """A request alone, a second joining it, the first alone again, then a third sharing the
     first's prompt (a prefix-cache hit) alone: single-sequence steps before, between and after
@@ -102,6 +145,68 @@ def test_switching_paths_makes_the_tokens_of_the_segments_alone(tiny_llama_engin
     assert [len(t) for t in got] == [12, 3, 12]
     assert switching.decoder._sessions is not None and len(calls) > 12
     assert switching.blocks.stats.prefix_hit_rate > 0  # the third request read the first's blocks
+
+
+def run_batch_traffic(engine: Engine) -> list[list[int]]:
+    """Six requests of different lengths at once, two more joining while they decode, ending at
+    different steps: decodes of several sequences between the steps that prefill."""
+    rng = np.random.default_rng(5)
+    requests = [(rng.integers(3, 258, n).tolist(), new) for n, new in ((5, 9), (33, 14), (17, 3), (40, 11), (9, 16), (24, 6))]
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True)) for p, new in requests]
+    tokens = {i: [] for i in ids}
+    for step in range(60):
+        if step == 6:
+            for prompt in (rng.integers(3, 258, 21).tolist(), requests[1][0][:20] + [4]):  # the second: a prefix hit
+                ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)))
+                tokens[ids[-1]] = []
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        if step > 6 and not engine.has_unfinished():
+            break
+    return [tokens[i] for i in ids]
+
+
+def test_decodes_of_several_sequences_make_the_tokens_of_the_segments_alone(tiny_llama_engine):
+    whole = Engine(tiny_llama_engine, kv_pool_mb=4)
+    segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)
+    decodes = []
+    step = whole.decoder.single.step
+    whole.decoder.single.step = lambda *args: decodes.append(args[2].num_seqs) or step(*args)
+    got = run_batch_traffic(whole)
+    assert got == run_batch_traffic(segments)
+    assert [len(t) for t in got] == [9, 14, 3, 11, 16, 6, 8, 8]
+    assert sum(n > 1 for n in decodes) >= 8 and max(decodes) >= 6
+
+
+def test_blocks_rewritten_by_the_segments_are_not_read_from_a_row(tiny_llama_engine):
+    """Sequences A and C decode together (rows); a segmented step then writes a different prompt
+    B into A's blocks (A finished, B got its blocks) beside C's decode; the next decode of B and
+    C must read B's keys and values from the pool, not A's from the row. Logits equal a decoder
+    that runs every step on the segments."""
+    from llmc.plugins.paged_attention import PagedBatch
+
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.integers(3, 258, 20) for _ in range(3))
+    tables = np.array([[0, 1], [4, 5]])
+
+    def steps(decoder) -> list[np.ndarray]:
+        def step(tokens, positions, pasts, counts):
+            starts = np.concatenate([[0], np.cumsum(counts)])
+            return decoder.step(np.asarray(tokens), np.asarray(positions), PagedBatch(tables, np.array(pasts), starts))
+        return [step(np.concatenate([a[:19], c[:19]]), np.tile(np.arange(19), 2), [0, 0], [19, 19]),
+                step([a[19], c[19]], [19, 19], [19, 19], [1, 1]),  # rows: A and C
+                step(np.concatenate([b[:19], [7]]), [*range(19), 20], [0, 20], [19, 1]),  # segments: B over A
+                step([b[19], 9], [19, 21], [19, 21], [1, 1])]  # rows again: B must not be A
+
+    whole = Engine(tiny_llama_engine, kv_pool_mb=4).decoder
+    runs = []
+    step = whole.single.step
+    whole.single.step = lambda *args: runs.append(args[2].num_seqs) or step(*args)
+    got = steps(whole)
+    want = steps(Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False).decoder)
+    assert runs == [2, 2]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=0)
 
 
 def test_logits_equal_the_segments_path(tiny_llama_engine):

@@ -1,0 +1,223 @@
+"""A paged engine's steps of one sequence, or of decodes only, as one onnxruntime call.
+
+The segmented path (runtime/backends/paged_onnxruntime.py) pays per layer for a session run, an
+attention kernel call and the Python between them: measured on the 25M Llama at batch 1, 1.3 ms
+of a 5.9 ms decode step, and the larger part of an int4 one. A chat user, an agent loop or a
+batch past its prompts runs steps that hold one sequence, or one new token for each of several:
+such a step runs the engine's single-sequence graph (passes/lower_single_sequence.py) instead,
+the whole model in one session, attention by onnxruntime's GroupQueryAttention over contiguous
+buffers [rows, kv heads, max_seq_len, head dim] per layer that the session appends to in place
+(bound as both its past and its present). A step of one sequence uses row 0; a decode of several
+gives each sequence a row and keeps it there while it runs.
+
+The pool stays the one record of every sequence's keys and values: each step also stores what it
+appended into the sequences' pool blocks (a few KiB a token), so a segmented step, a prefix-cache
+hit or a copy-on-write reads the same values whichever path made them. A row caches the sequence
+it last ran: the next step reuses it when it continues that sequence (same leading blocks) and
+copies from the pool only the positions it lacks (those a segmented step appended). Whatever
+writes pool blocks another way (`written`) cuts what each row holds back to before those blocks;
+a row left out of a step is released, since that step may reuse its blocks.
+
+Memory: the buffers grow to the most rows a step has used (powers of two up to the engine's max
+batch) and, like the pool, are mapped on first write, so they hold what the sequences run here
+hold: the keys and values of those sequences are resident twice. The session holds its own
+prepacked weights: with the segments' sessions built as well (the first step this path does not
+take builds them), resident memory holds the weights twice.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from llmc.plugins.paged_attention import PagedBatch
+
+
+class WholeGraph:
+    """The single-sequence session and its key/value buffers.
+
+    Args:
+        session: the engine's single-sequence graph, opened.
+        layers, kv_heads, head_dim, capacity: the buffers' shape (capacity: max_seq_len).
+        block_size: the pool's.
+        dtype: the buffers' element type (the pool's).
+        max_rows: the most sequences a decode step may run here (the engine's max batch).
+        allocate: makes a zeroed array whose pages are mapped on first write.
+    """
+
+    def __init__(self, session: ort.InferenceSession, layers: int, kv_heads: int, head_dim: int, capacity: int,
+                 block_size: int, dtype: str, max_rows: int, allocate):
+        self.session, self.block_size, self.max_rows = session, block_size, max_rows
+        self._shape, self._dtype, self._allocate = (kv_heads, capacity, head_dim), dtype, allocate
+        self._names = [(layer, part) for layer in range(layers) for part in ("key", "value")]
+        self._binding = session.io_binding()
+        self._binding.bind_output("logits")  # first: get_outputs()[0]
+        # A decode's inputs and logits live in arrays bound once and rewritten in place: binding
+        # fresh ones and collecting every output cost 10-20% of a small model's decode step.
+        vocab = session.get_outputs()[0].shape[-1]  # fixed: the lowering declares it
+        self._decode = {"input_ids": np.zeros((1, 1), np.int64), "position_ids": np.zeros((1, 1), np.int64),
+                        "seqlens_k": np.zeros(1, np.int32), "total_sequence_length": np.zeros((), np.int32),
+                        "logits_rows": np.zeros(1, np.int64), "logits": np.zeros((1, 1, vocab), np.float32)}
+        self._decode_values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self._decode.items()}
+        self.buffers: dict[str, np.ndarray] = {}  # by the pool each mirrors
+        self._bound_rows = 0
+        self._grow(1)
+
+    def runs(self, batch: PagedBatch, tokens: int) -> bool:
+        """Whether this path runs a step: one sequence, or one token for each of at most max_rows."""
+        return batch.num_seqs == 1 or (tokens == batch.num_seqs <= self.max_rows)
+
+    def invalidate(self) -> None:
+        """Nothing in the buffers is reusable (a step wrote the pool's blocks unseen)."""
+        self._tables: list[np.ndarray | None] = [None] * self.rows
+        self._held = np.zeros(self.rows, np.int64)
+
+    def written(self, blocks: np.ndarray) -> None:
+        """Pool `blocks` were written another way: each row keeps only what lies before them."""
+        for row, table in enumerate(self._tables):
+            if table is not None and self._held[row]:
+                hit = np.isin(table[:-(-self._held[row] // self.block_size)], blocks)
+                if hit.any():
+                    self._held[row] = min(self._held[row], int(hit.argmax()) * self.block_size)
+
+    def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray,
+             pools: dict[str, np.ndarray]) -> np.ndarray:
+        """Run one step (see `runs`); stores its keys and values in `pools` too; returns the
+        logits of the packed `rows`."""
+        pasts = np.asarray(batch.context_lens, np.int64)
+        tables = [np.asarray(t) for t in batch.block_tables]
+        if batch.num_seqs == 1:
+            seats = np.zeros(1, np.int64)
+            self._tables[1:], self._held[1:] = [None] * (self.rows - 1), 0  # released
+            self._seat(0, tables[0], int(pasts[0]), pools)
+            used = 1
+        else:
+            seats = self._seats(tables, pasts, pools)
+            used = int(seats.max()) + 1
+        self._bind(used)
+        totals = pasts + np.diff(batch.query_start_loc)
+        if len(tokens) == 1 and len(rows) == 1:
+            logits = self._run_decode(tokens, positions, int(totals[0]), rows)
+        else:
+            ids, where = np.zeros(used * (len(tokens) // batch.num_seqs), np.int64), np.zeros(used, np.int64)
+            if batch.num_seqs == 1:
+                ids, where = tokens, positions
+            else:  # a row per seat, in seat order; an empty seat decodes a throw-away token at 0
+                ids[seats], where[seats] = tokens, positions
+            lengths = np.zeros(used, np.int32)
+            lengths[seats] = totals - 1
+            binding = self._binding
+            binding.bind_cpu_input("input_ids", ids[None])
+            binding.bind_cpu_input("position_ids", where[None])
+            binding.bind_cpu_input("seqlens_k", lengths)
+            binding.bind_cpu_input("total_sequence_length", np.array(totals.max(), np.int32))
+            binding.bind_cpu_input("logits_rows", seats[rows] if batch.num_seqs > 1 else np.asarray(rows, np.int64))
+            binding.bind_output("logits")  # again: a bound output keeps the last run's shape
+            self.session.run_with_iobinding(binding)
+            logits = binding.get_outputs()[0].numpy()
+        for seat, table, total in zip(seats, tables, totals):
+            self._tables[seat], self._held[seat] = table, total
+        self._store(seats, tables, pasts, totals, pools)
+        return logits[0]
+
+    def _seats(self, tables: list[np.ndarray], pasts: np.ndarray, pools: dict[str, np.ndarray]) -> np.ndarray:
+        """Each sequence's row: the one holding it if any, else a free one (lowest first), its
+        missing positions copied from the pool. Rows no sequence of the step took are released."""
+        if len(tables) > self.rows:
+            self._grow(len(tables))
+        seats = np.full(len(tables), -1, np.int64)
+        by_first = {}
+        for row, held in enumerate(self._tables):
+            if held is not None and len(held):
+                by_first.setdefault(int(held[0]), []).append(row)
+        taken = set()
+        for i, table in enumerate(tables):
+            for row in by_first.get(int(table[0]), ()):
+                if row not in taken and self._continues(row, table):
+                    seats[i] = row
+                    taken.add(row)
+                    break
+        free = iter(row for row in range(self.rows) if row not in taken)
+        for row in range(self.rows):
+            if row not in taken:
+                self._tables[row], self._held[row] = None, 0
+        for i, table in enumerate(tables):
+            if seats[i] < 0:
+                seats[i] = next(free)
+            self._seat(int(seats[i]), table, int(pasts[i]), pools)
+        return seats
+
+    def _continues(self, row: int, table: np.ndarray) -> bool:
+        """Whether `row` holds the start of the sequence with this block table: what it holds
+        lies in the same blocks (a block's contents are the same in the pool and here, whichever
+        sequence owns it now)."""
+        held = self._tables[row]
+        needed = -(-int(self._held[row]) // self.block_size)
+        return needed <= min(len(held), len(table)) and np.array_equal(held[:needed], table[:needed])
+
+    def _seat(self, row: int, table: np.ndarray, past: int, pools: dict[str, np.ndarray]) -> None:
+        """Make `row` hold the sequence's first `past` positions, copying from the pool what it lacks."""
+        first = int(self._held[row]) if self._tables[row] is not None and self._continues(row, table) else 0
+        first = min(first, past)
+        if first < past:
+            start = first // self.block_size
+            blocks = table[start:-(-past // self.block_size)]
+            for name, pool in pools.items():
+                gathered = pool[blocks]  # [blocks, kv_heads, block_size, head_dim]
+                kv_heads, head_dim = gathered.shape[1], gathered.shape[3]
+                flat = gathered.transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
+                offset = start * self.block_size
+                self.buffers[name][row, :, first:past] = flat[:, first - offset:past - offset]
+        self._tables[row], self._held[row] = table, past
+
+    def _store(self, seats: np.ndarray, tables: list[np.ndarray], pasts: np.ndarray, totals: np.ndarray,
+               pools: dict[str, np.ndarray]) -> None:
+        """The step's new keys and values from the buffers into the pool."""
+        size = self.block_size
+        if len(seats) > 1:  # one token each: one scatter per pool
+            blocks = np.array([table[past // size] for table, past in zip(tables, pasts)])
+            for name, pool in pools.items():
+                pool[blocks, :, pasts % size] = self.buffers[name][seats, :, pasts]
+            return
+        table, first, total = tables[0], int(pasts[0]), int(totals[0])
+        while first < total:  # block by block: a buffer's [kv_heads, positions, head_dim] run is a block's slice
+            block, offset = int(table[first // size]), first % size
+            end = min(total, first - offset + size)
+            for name, pool in pools.items():
+                pool[block, :, offset:offset + end - first] = self.buffers[name][0, :, first:end]
+            first = end
+
+    def _grow(self, rows: int) -> None:
+        """Buffers of at least `rows` rows (a power of two, at most max_rows); what the old ones
+        held is dropped (the pool has it)."""
+        self.rows = min(self.max_rows, 1 << (rows - 1).bit_length())
+        self.buffers = {f"{part}_cache.{layer}": self._allocate((self.rows, *self._shape), self._dtype)
+                        for layer, part in self._names}
+        self._bound_rows = 0
+        self.invalidate()
+
+    def _bind(self, rows: int) -> None:
+        """Bind the buffers' first `rows` rows as the session's past and present."""
+        if rows == self._bound_rows:
+            return
+        self._values = []  # the binding's views of the buffers, kept with it
+        for layer, part in self._names:
+            value = ort.OrtValue.ortvalue_from_numpy(self.buffers[f"{part}_cache.{layer}"][:rows])  # shares memory
+            self._values.append(value)
+            self._binding.bind_ortvalue_input(f"past_key_values.{layer}.{part}", value)
+            self._binding.bind_ortvalue_output(f"present.{layer}.{part}", value)
+        self._bound_rows = rows
+
+    def _run_decode(self, tokens: np.ndarray, positions: np.ndarray, total: int, rows: np.ndarray) -> np.ndarray:
+        """One new token, one logits row, through the arrays bound for decodes."""
+        arrays = self._decode
+        arrays["input_ids"][0, 0], arrays["position_ids"][0, 0] = tokens[0], positions[0]
+        arrays["seqlens_k"][0], arrays["total_sequence_length"][()] = total - 1, total
+        arrays["logits_rows"][0] = rows[0]
+        for name, value in self._decode_values.items():
+            if name == "logits":
+                self._binding.bind_ortvalue_output(name, value)
+            else:
+                self._binding.bind_ortvalue_input(name, value)
+        self.session.run_with_iobinding(self._binding)
+        return arrays["logits"].copy()  # the array is the next decode's too
