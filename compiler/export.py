@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import onnx
 import torch
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
 from llmc.formats.decoder_interface import Geometry, geometry_metadata
 from llmc.errors import LlmcError
-from llmc.formats.onnx_io import EXTERNAL_DATA_THRESHOLD, save_ir_model, save_serialized
+from llmc.formats.onnx_io import EXTERNAL_DATA_THRESHOLD, save_ir_model, save_serialized, with_initializers
 from llmc.formats.sessions import session_options
 from llmc.models import LoadedModel, load_model
 
@@ -164,17 +165,65 @@ def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> bytes:
     inputs = sample_inputs(geometry, _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST, seed=0)
     input_names, output_names = io_names(geometry.num_layers)
     buffer = io.BytesIO()
+    flat = _FlatDecoder(model).eval()
     with warnings.catch_warnings(), quiet_exporter(), _without_whole_graph_shape_inference():
         # Its deprecation notice, and a TracerWarning per shape the model compares in Python
         # (the parity check is what tells whether a trace generalizes).
         warnings.simplefilter("ignore")
-        torch.onnx.export(_FlatDecoder(model).eval(), tuple(inputs.values()), buffer, dynamo=False,
+        # Without the weights: carried through its passes and serialized by it, they cost 6 of
+        # SmolLM2-135M's 12 s of export; `_with_weights` adds them in one copy. Its constant
+        # folding is left to `llmc compile` (which folds the graph anyway).
+        torch.onnx.export(flat, tuple(inputs.values()), buffer, dynamo=False,
                           input_names=input_names, output_names=output_names, opset_version=_OPSET,
                           dynamic_axes={name: _dynamic_axes(name) for name in [*input_names, *output_names]},
-                          # Folded, the weights reach their MatMuls as initializers (not through a
-                          # Transpose), as the precision passes and torch.export's graphs have them.
-                          do_constant_folding=True)
-    return buffer.getvalue()
+                          export_params=False, do_constant_folding=False)
+    return _with_weights(buffer.getvalue(), flat)
+
+
+def _with_weights(graph: bytes, module: torch.nn.Module) -> bytes:
+    """The exporter's graph (its weights left as inputs named as the module's parameters) with
+    them as initializers. A weight that reaches a MatMul through a 2-D Transpose is stored
+    transposed in that Transpose's place: the weights reach their MatMuls as initializers, as the
+    precision passes and torch.export's graphs have them."""
+    proto = onnx.load_from_string(graph)
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    weights, folded = [], set()
+    for name in [i.name for i in proto.graph.input if i.name in tensors]:
+        tensor = tensors[name].detach()
+        kept = False
+        for node in readers.get(name, []):
+            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+            if node.op_type == "Transpose" and tensor.dim() == 2 and perm == [1, 0]:
+                weights.append(_initializer(node.output[0], tensor.t()))
+                folded.add(id(node))
+            else:
+                kept = True
+        if kept:
+            weights.append(_initializer(name, tensor))
+    nodes = [n for n in proto.graph.node if id(n) not in folded]
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+    interface = [i for i in proto.graph.input if i.name not in tensors]
+    del proto.graph.input[:]
+    proto.graph.input.extend(interface)
+    return with_initializers(proto.SerializeToString(), weights)
+
+
+_ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+               torch.bfloat16: onnx.TensorProto.BFLOAT16, torch.int64: onnx.TensorProto.INT64,
+               torch.int32: onnx.TensorProto.INT32, torch.bool: onnx.TensorProto.BOOL}
+
+
+def _initializer(name: str, tensor: torch.Tensor) -> tuple[onnx.TensorProto, memoryview]:
+    """A weight's TensorProto header and its bytes (bfloat16 too, which NumPy has no type for)."""
+    if tensor.dtype not in _ONNX_TYPES:
+        raise LlmcError(f"export: weight '{name}' has type {tensor.dtype}, which the ONNX export does not handle")
+    header = onnx.TensorProto(name=name, data_type=_ONNX_TYPES[tensor.dtype], dims=list(tensor.shape))
+    return header, memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 @contextlib.contextmanager

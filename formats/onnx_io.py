@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import onnx
@@ -164,6 +165,20 @@ def _varint(data, at: int) -> tuple[int, int]:
         if byte < 0x80:
             return value, at
         shift += 7
+
+
+def with_initializers(model: bytes, tensors: Sequence[tuple[onnx.TensorProto, memoryview]]) -> bytes:
+    """A serialized ModelProto with initializers added to its graph, each a TensorProto header
+    (name, type, dims) and the buffer of its raw bytes, copied once: protobuf merges a second
+    `graph` field into the first, so they follow the model's bytes as a graph of their own
+    (building them as messages and serializing copied SmolLM2-135M's 540 MB three times, 3.7 s)."""
+    graph = []
+    for header, data in tensors:
+        head = header.SerializeToString()
+        raw = _varint_bytes(9 << 3 | 2) + _varint_bytes(data.nbytes)  # TensorProto.raw_data
+        graph += [_varint_bytes(5 << 3 | 2), _varint_bytes(len(head) + len(raw) + data.nbytes), head, raw, data]
+    length = sum(part.nbytes if isinstance(part, memoryview) else len(part) for part in graph)
+    return b"".join([model, _varint_bytes(7 << 3 | 2), _varint_bytes(length), *graph])  # ModelProto.graph
 
 
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:

@@ -59,6 +59,7 @@ class WholeGraph:
                         "seqlens_k": np.zeros(1, np.int32), "total_sequence_length": np.zeros((), np.int32),
                         "logits_rows": np.zeros(1, np.int64), "logits": np.zeros((1, 1, vocab), np.float32)}
         self._decode_values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self._decode.items()}
+        self._decode_bound = False  # whether those arrays are what the binding holds
         self.buffers: dict[str, np.ndarray] = {}  # by the pool each mirrors
         self._bound_rows = 0
         self._grow(1)
@@ -99,19 +100,20 @@ class WholeGraph:
         if len(tokens) == 1 and len(rows) == 1:
             logits = self._run_decode(tokens, positions, int(totals[0]), rows)
         else:
-            ids, where = np.zeros(used * (len(tokens) // batch.num_seqs), np.int64), np.zeros(used, np.int64)
             if batch.num_seqs == 1:
-                ids, where = tokens, positions
-            else:  # a row per seat, in seat order; an empty seat decodes a throw-away token at 0
-                ids[seats], where[seats] = tokens, positions
+                ids, where, logits_rows = tokens, positions, np.asarray(rows, np.int64)
+            else:  # a token per seat, in seat order; an empty seat decodes a throw-away token at 0
+                ids, where = np.zeros(used, np.int64), np.zeros(used, np.int64)
+                ids[seats], where[seats], logits_rows = tokens, positions, seats[rows]
             lengths = np.zeros(used, np.int32)
             lengths[seats] = totals - 1
             binding = self._binding
+            self._decode_bound = False  # these inputs replace the decode arrays
             binding.bind_cpu_input("input_ids", ids[None])
             binding.bind_cpu_input("position_ids", where[None])
             binding.bind_cpu_input("seqlens_k", lengths)
             binding.bind_cpu_input("total_sequence_length", np.array(totals.max(), np.int32))
-            binding.bind_cpu_input("logits_rows", seats[rows] if batch.num_seqs > 1 else np.asarray(rows, np.int64))
+            binding.bind_cpu_input("logits_rows", logits_rows)
             binding.bind_output("logits")  # again: a bound output keeps the last run's shape
             self.session.run_with_iobinding(binding)
             logits = binding.get_outputs()[0].numpy()
@@ -214,10 +216,12 @@ class WholeGraph:
         arrays["input_ids"][0, 0], arrays["position_ids"][0, 0] = tokens[0], positions[0]
         arrays["seqlens_k"][0], arrays["total_sequence_length"][()] = total - 1, total
         arrays["logits_rows"][0] = rows[0]
-        for name, value in self._decode_values.items():
-            if name == "logits":
-                self._binding.bind_ortvalue_output(name, value)
-            else:
-                self._binding.bind_ortvalue_input(name, value)
+        if not self._decode_bound:
+            for name, value in self._decode_values.items():
+                if name == "logits":
+                    self._binding.bind_ortvalue_output(name, value)
+                else:
+                    self._binding.bind_ortvalue_input(name, value)
+            self._decode_bound = True
         self.session.run_with_iobinding(self._binding)
         return arrays["logits"].copy()  # the array is the next decode's too
