@@ -11,6 +11,8 @@ against PyTorch on seeded inputs (a prefill, then a decode step with past).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import io
 import json
 import logging
@@ -32,6 +34,7 @@ from llmc.errors import LlmcError
 from llmc.formats.onnx_io import EXTERNAL_DATA_THRESHOLD, save_ir_model, save_serialized, with_initializers
 from llmc.formats.sessions import session_options
 from llmc.models import LoadedModel, load_model
+from llmc.models.decoder import Decoder
 
 # Example sizes for tracing: 0 and 1 would be specialized by torch.export, so use larger ones.
 _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 3, 4
@@ -161,11 +164,27 @@ def _checked(model: torch.nn.Module, graph: bytes | Path, check: bool,
 
 def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> bytes:
     """The decoder as a serialized ModelProto, weights inline, by torch.onnx's TorchScript
-    exporter (see `EXPORTERS`)."""
+    exporter (see `EXPORTERS`). A model whose layers are all alike is traced with two and its
+    second layer's nodes repeated for the rest (`_repeat_layer`): the trace's cost grows with the
+    graph (SmolLM2-135M's 30 layers: 8.7 s), a copy of a layer's nodes costs next to nothing, and
+    the parity check runs the whole model against PyTorch either way."""
+    short = _first_layers(model, TRACED_LAYERS)
+    if short is not None:
+        graph = _trace(short, model_geometry(short))
+        if _repeat_layer(graph, geometry.num_layers):
+            return _with_weights(graph, _FlatDecoder(model))
+    return _with_weights(_trace(model, geometry), _FlatDecoder(model))
+
+
+TRACED_LAYERS = 2  # layer 0 may hold what the trace shares between layers; layer 1 is the pattern
+
+
+def _trace(model: torch.nn.Module, geometry: Geometry) -> onnx.ModelProto:
+    """torch.onnx's TorchScript export of the decoder, its weights left as graph inputs named as
+    the module's parameters (or only read by that name: see `_with_weights`)."""
     inputs = sample_inputs(geometry, _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST, seed=0)
     input_names, output_names = io_names(geometry.num_layers)
     buffer = io.BytesIO()
-    flat = _FlatDecoder(model).eval()
     with warnings.catch_warnings(), quiet_exporter(), _without_whole_graph_shape_inference():
         # Its deprecation notice, and a TracerWarning per shape the model compares in Python
         # (the parity check is what tells whether a trace generalizes).
@@ -173,26 +192,114 @@ def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> bytes:
         # Without the weights: carried through its passes and serialized by it, they cost 6 of
         # SmolLM2-135M's 12 s of export; `_with_weights` adds them in one copy. Its constant
         # folding is left to `llmc compile` (which folds the graph anyway).
-        torch.onnx.export(flat, tuple(inputs.values()), buffer, dynamo=False,
+        torch.onnx.export(_FlatDecoder(model).eval(), tuple(inputs.values()), buffer, dynamo=False,
                           input_names=input_names, output_names=output_names, opset_version=_OPSET,
                           dynamic_axes={name: _dynamic_axes(name) for name in [*input_names, *output_names]},
                           export_params=False, do_constant_folding=False)
-    return _with_weights(buffer.getvalue(), flat)
+    return onnx.load_from_string(buffer.getvalue())
 
 
-def _with_weights(graph: bytes, module: torch.nn.Module) -> bytes:
-    """The exporter's graph (its weights left as inputs named as the module's parameters) with
-    them as initializers. A weight that reaches a MatMul through a 2-D Transpose is stored
-    transposed in that Transpose's place: the weights reach their MatMuls as initializers, as the
-    precision passes and torch.export's graphs have them."""
-    proto = onnx.load_from_string(graph)
+def _first_layers(model: torch.nn.Module, count: int) -> Decoder | None:
+    """A view of `model` with only its first `count` layers (sharing their weights), when its
+    layers are all alike and it has more; else None."""
+    if type(model) is not Decoder or model.num_layers <= count or len(set(model.args.layer_windows)) > 1 \
+            or model.args.sliding_layers is not None:
+        return None
+    short = copy.copy(model)
+    short._modules = dict(model._modules)  # a shallow copy would share them: changed here, changed there
+    backbone = copy.copy(model.model)
+    backbone._modules = dict(model.model._modules)
+    backbone.layers = torch.nn.ModuleList(list(model.model.layers)[:count])
+    short.model = backbone
+    short.args = dataclasses.replace(model.args, num_layers=count)
+    return short
+
+
+def _repeat_layer(graph: onnx.ModelProto, layers: int) -> bool:
+    """Grow a graph traced with `TRACED_LAYERS` layers to `layers` by copying the last layer's
+    nodes (those of its scope, `/model/layers.1/`), renamed for each new layer and chained on the
+    hidden state; its past and present are copied with them, its weights renamed to the new
+    layer's. Returns
+    False, leaving the graph as it was, where the layer is not a pattern it can copy: anything
+    but the hidden state and the presents leaving it."""
+    last = TRACED_LAYERS - 1
+    scope = f"/model/layers.{last}/"
+    nodes = graph.graph.node
+    pattern = [n for n in nodes if n.name.startswith(scope)]
+    made = {o for n in pattern for o in n.output}
+    presents = {f"present.{last}.key", f"present.{last}.value"}
+    leaving = {i for n in nodes if not n.name.startswith(scope) for i in n.input if i in made}
+    leaving |= {o.name for o in graph.graph.output} & made
+    hidden = leaving - presents
+    if not pattern or len(hidden) != 1 or not presents <= leaving:
+        return False
+    (hidden,) = hidden
+    previous = hidden.replace(scope, f"/model/layers.{last - 1}/")
+    if not any(previous in n.input for n in pattern):
+        return False
+    weights = f".layers.{last}."
+
+    def renamed(name: str, layer: int) -> str:
+        if name == previous:
+            return hidden.replace(scope, f"/model/layers.{layer - 1}/")
+        if name in made:
+            return name.replace(scope, f"/model/layers.{layer}/") if scope in name else \
+                name.replace(f".{last}.", f".{layer}.") if name in presents else f"{name}/layers.{layer}"
+        if name.startswith("past_key_values.") or weights in name:
+            return name.replace(f".{last}.", f".{layer}.", 1) if name.startswith("past") else \
+                name.replace(weights, f".layers.{layer}.")
+        return name  # made before the layers, shared by all
+
+    downstream, reached = [], set(made)
+    for node in nodes:
+        if not node.name.startswith(scope) and any(i in reached for i in node.input):
+            downstream.append(node)
+            reached.update(node.output)
+    upstream = [n for n in nodes if not n.name.startswith(scope) and n not in downstream]
+    copies = []
+    for layer in range(last + 1, layers):
+        for node in pattern:
+            copy_ = onnx.NodeProto()
+            copy_.CopyFrom(node)
+            copy_.name = node.name.replace(scope, f"/model/layers.{layer}/")
+            copy_.input[:] = [renamed(i, layer) if i else i for i in node.input]
+            copy_.output[:] = [renamed(o, layer) for o in node.output]
+            copies.append(copy_)
+    final = hidden.replace(scope, f"/model/layers.{layers - 1}/")
+    for node in downstream:
+        node.input[:] = [final if i == hidden else i for i in node.input]
+    inputs = {i.name: i for i in graph.graph.input}
+    outputs = {o.name: o for o in graph.graph.output}
+    new_inputs, new_outputs = [], []
+    for layer in range(last + 1, layers):
+        for part in ("key", "value"):  # the weights' inputs go: `_with_weights` finds them by their readers
+            new_inputs.append(onnx.ValueInfoProto(name=f"past_key_values.{layer}.{part}",
+                                                  type=inputs[f"past_key_values.{last}.{part}"].type))
+        for name in sorted(presents):  # key, then value
+            new_outputs.append(onnx.ValueInfoProto(name=renamed(name, layer), type=outputs[name].type))
+    ordered = list(upstream) + pattern + copies + downstream
+    del nodes[:]
+    nodes.extend(ordered)
+    graph.graph.input.extend(new_inputs)
+    graph.graph.output.extend(new_outputs)
+    return True
+
+
+def _with_weights(proto: onnx.ModelProto, module: torch.nn.Module) -> bytes:
+    """The exporter's graph (its weights left as inputs named as the module's parameters),
+    serialized with them as initializers. A weight that reaches a MatMul through a 2-D Transpose
+    is stored transposed in that Transpose's place: the weights reach their MatMuls as
+    initializers, as the precision passes and torch.export's graphs have them."""
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in proto.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     weights, folded = [], set()
-    for name in [i.name for i in proto.graph.input if i.name in tensors]:
+    # By the nodes that read them, unless a node makes them: the exporter gives a weight equal to
+    # another (layer norms still at ones) as an Identity of it. A copied layer reads its own.
+    made = {o for node in proto.graph.node for o in node.output}
+    for name in [name for name in readers if name in tensors and name not in made]:
         tensor = tensors[name].detach()
         kept = False
         for node in readers.get(name, []):

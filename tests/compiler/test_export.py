@@ -104,3 +104,43 @@ def test_skipping_torchs_whole_graph_shape_inference_writes_the_same_graph(famil
     skipped = export_module._trace_torchscript(loaded.model, geometry)
     monkeypatch.setattr(export_module, "_without_whole_graph_shape_inference", contextlib.nullcontext)
     assert export_module._trace_torchscript(loaded.model, geometry) == skipped
+
+
+def test_a_model_traced_with_two_layers_and_repeated_equals_its_full_trace():
+    """tiny-llama (4 layers) is traced with 2 and its second layer's nodes copied for layers 2
+    and 3: same interface and weights as the trace of all 4, and onnxruntime gives the same
+    outputs for both (prefill and decode shapes)."""
+    from llmc.compiler import export as export_module
+
+    loaded = load_model("tiny-llama")
+    geometry = model_geometry(loaded.model)
+    assert geometry.num_layers == 4
+    repeated = onnx.load_from_string(export_module._trace_torchscript(loaded.model, geometry))
+    assert any(n.name.startswith("/model/layers.3/") for n in repeated.graph.node)
+    full = onnx.load_from_string(export_module._with_weights(export_module._trace(loaded.model, geometry),
+                                                             _FlatDecoder(loaded.model)))
+    assert [i.name for i in repeated.graph.input] == [i.name for i in full.graph.input] == io_names(4)[0]
+    assert [o.name for o in repeated.graph.output] == [o.name for o in full.graph.output] == io_names(4)[1]
+    # The full trace gives weights equal to another's (its layer norms, at ones) as Identity nodes;
+    # a copied layer reads its own.
+    assert {t.name for t in full.graph.initializer} <= {t.name for t in repeated.graph.initializer}
+    sessions = [ort.InferenceSession(m.SerializeToString()) for m in (repeated, full)]
+    for batch, seq, past in [(2, 7, 0), (3, 1, 9)]:
+        feeds = {k: v.numpy() for k, v in sample_inputs(geometry, batch, seq, past, seed=1).items()}
+        got, want = (s.run(None, feeds) for s in sessions)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-6, rtol=0)
+
+
+def test_a_layer_that_is_not_a_pattern_is_not_repeated():
+    """A node outside the layer reading one of its inner values: the graph is left as traced."""
+    from llmc.compiler import export as export_module
+
+    loaded = load_model("tiny-llama")
+    short = export_module._first_layers(loaded.model, 2)
+    graph = export_module._trace(short, model_geometry(short))
+    inner = next(n for n in graph.graph.node if n.name.startswith("/model/layers.1/mlp/")).output[0]
+    graph.graph.node.append(onnx.helper.make_node("Identity", [inner], ["peek"], name="/model/peek"))
+    before = graph.SerializeToString()
+    assert not export_module._repeat_layer(graph, 4)
+    assert graph.SerializeToString() == before
