@@ -31,7 +31,8 @@ import torch
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
 from llmc.formats.decoder_interface import Geometry, geometry_metadata
 from llmc.errors import LlmcError
-from llmc.formats.onnx_io import EXTERNAL_DATA_THRESHOLD, save_ir_model, save_serialized, with_initializers
+from llmc.formats.onnx_io import (EXTERNAL_DATA_THRESHOLD, save_ir_model, save_serialized, save_with_external_data,
+                                  with_initializers)
 from llmc.formats.sessions import session_options
 from llmc.models import LoadedModel, load_model
 from llmc.models.decoder import Decoder
@@ -44,9 +45,9 @@ _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 3, 4
 # against 21 s and 59 s for the torch.export one (two symbolic traces, then onnxscript's
 # optimizer), with the same engine after `llmc compile` (same fused graph, identical logits). A
 # trace fixes Python-level branches on shapes, so the parity check runs at other shapes than the
-# trace's (a 5-token prefill of 2 sequences, then a decode with past). It builds one protobuf, so
-# models past EXTERNAL_DATA_THRESHOLD (1.8 GB) of weights go through torch.export, whose tensors
-# are never copied. "auto" picks by that size.
+# trace's (a 5-token prefill of 2 sequences, then a decode with past). Its graph comes without
+# weights; they are written from the model's tensors, inline or, past EXTERNAL_DATA_THRESHOLD
+# (1.8 GB), into `<output>.data`. "auto" is the TorchScript one.
 EXPORTERS = ("auto", "torchscript", "dynamo")
 _OPSET = 20  # what the torch.export exporter writes too
 
@@ -114,12 +115,8 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     progress(f"exporting {loaded.name}: {geometry.num_layers} layers, {geometry.num_heads} heads, "
              f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}, {weights_gb:.2f} GB of weights "
              f"(loaded in {time.perf_counter() - start:.1f} s)")
-    fits_one_protobuf = weights_gb * 1e9 < EXTERNAL_DATA_THRESHOLD
     if exporter == "auto":
-        exporter = "torchscript" if fits_one_protobuf else "dynamo"
-    elif exporter == "torchscript" and not fits_one_protobuf:
-        raise LlmcError(f"--exporter torchscript: {loaded.name} has {weights_gb:.2f} GB of weights, past what one "
-                        "ONNX protobuf holds; use --exporter dynamo (or auto)")
+        exporter = "torchscript"
     start = time.perf_counter()
     graph = (_trace_torchscript if exporter == "torchscript" else _to_onnx)(loaded.model, geometry)
     progress(f"traced to ONNX ({exporter}) in {time.perf_counter() - start:.1f} s")
@@ -129,11 +126,18 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     metadata = {**geometry_metadata(geometry, (windows[0] or None) if windows and uniform else None),
                 TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(), "llmc.source_model": loaded.name,
                 **({} if uniform else {"llmc.layer_windows": json.dumps(windows)})}
-    if isinstance(graph, bytes):
+    if isinstance(graph, tuple):
+        graph, weights = graph
+        if weights_gb * 1e9 >= EXTERNAL_DATA_THRESHOLD:  # past what one protobuf holds
+            seconds = _timed(save_with_external_data, graph, weights, output, metadata=metadata)
+            progress(f"wrote {output} in {seconds:.1f} s")
+            del weights  # the transposed copies: the check's session holds the weights once more
+            return _checked(loaded.model, output, check, progress)
+        serialized = with_initializers(graph, weights)
         # Written on a second thread while the check runs on the same bytes in memory.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmc-write") as writer:
-            written = writer.submit(_timed, save_serialized, graph, output, metadata=metadata)
-            result = _checked(loaded.model, graph, check, progress)
+            written = writer.submit(_timed, save_serialized, serialized, output, metadata=metadata)
+            result = _checked(loaded.model, serialized, check, progress)
             progress(f"wrote {output} in {written.result():.1f} s")
         return result
     graph.metadata_props.clear()
@@ -162,9 +166,9 @@ def _checked(model: torch.nn.Module, graph: bytes | Path, check: bool,
     return result
 
 
-def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> bytes:
-    """The decoder as a serialized ModelProto, weights inline, by torch.onnx's TorchScript
-    exporter (see `EXPORTERS`). A model whose layers are all alike is traced with two and its
+def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> tuple[bytes, list[Initializer]]:
+    """The decoder by torch.onnx's TorchScript exporter (see `EXPORTERS`): a serialized
+    ModelProto without its weights, and the weights (see `_with_weights`). A model whose layers are all alike is traced with two and its
     second layer's nodes repeated for the rest (`_repeat_layer`): the trace's cost grows with the
     graph (SmolLM2-135M's 30 layers: 8.7 s), a copy of a layer's nodes costs next to nothing, and
     the parity check runs the whole model against PyTorch either way."""
@@ -285,9 +289,12 @@ def _repeat_layer(graph: onnx.ModelProto, layers: int) -> bool:
     return True
 
 
-def _with_weights(proto: onnx.ModelProto, module: torch.nn.Module) -> bytes:
+Initializer = tuple[onnx.TensorProto, memoryview]  # a TensorProto's header (name, type, dims) and its bytes
+
+
+def _with_weights(proto: onnx.ModelProto, module: torch.nn.Module) -> tuple[bytes, list[Initializer]]:
     """The exporter's graph (its weights left as inputs named as the module's parameters),
-    serialized with them as initializers. A weight that reaches a MatMul through a 2-D Transpose
+    serialized without them, and them as initializers for it. A weight that reaches a MatMul through a 2-D Transpose
     is stored transposed in that Transpose's place: the weights reach their MatMuls as
     initializers, as the precision passes and torch.export's graphs have them."""
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
@@ -317,7 +324,7 @@ def _with_weights(proto: onnx.ModelProto, module: torch.nn.Module) -> bytes:
     interface = [i for i in proto.graph.input if i.name not in tensors]
     del proto.graph.input[:]
     proto.graph.input.extend(interface)
-    return with_initializers(proto.SerializeToString(), weights)
+    return proto.SerializeToString(), weights
 
 
 _ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
@@ -325,7 +332,7 @@ _ONNX_TYPES = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.Tensor
                torch.int32: onnx.TensorProto.INT32, torch.bool: onnx.TensorProto.BOOL}
 
 
-def _initializer(name: str, tensor: torch.Tensor) -> tuple[onnx.TensorProto, memoryview]:
+def _initializer(name: str, tensor: torch.Tensor) -> Initializer:
     """A weight's TensorProto header and its bytes (bfloat16 too, which NumPy has no type for)."""
     if tensor.dtype not in _ONNX_TYPES:
         raise LlmcError(f"export: weight '{name}' has type {tensor.dtype}, which the ONNX export does not handle")

@@ -181,6 +181,30 @@ def with_initializers(model: bytes, tensors: Sequence[tuple[onnx.TensorProto, me
     return b"".join([model, _varint_bytes(7 << 3 | 2), _varint_bytes(length), *graph])  # ModelProto.graph
 
 
+def save_with_external_data(model: bytes, tensors: Sequence[tuple[onnx.TensorProto, memoryview]],
+                            path: str | os.PathLike, *, metadata: dict[str, str]) -> None:
+    """Write a serialized ModelProto without weights, with `tensors` (headers and bytes, as
+    `with_initializers` takes them) as its initializers in `<name>.data` beside it and `metadata`
+    as its metadata_props, atomically; the tensors' bytes are written from where they are, never
+    gathered into one message (past 2 GB none can hold them)."""
+    path = Path(path)
+    data_name = path.name + ".data"
+    extra = onnx.ModelProto()
+    for key, value in metadata.items():
+        extra.metadata_props.add(key=key, value=value)
+    with _staging(path) as staging:
+        with open(staging / data_name, "wb") as out:
+            for header, data in tensors:
+                tensor = extra.graph.initializer.add()
+                tensor.CopyFrom(header)
+                _set_external(tensor, data_name, _append_aligned(out, data), data.nbytes)
+        with open(staging / path.name, "wb") as f:
+            f.write(model)
+            f.write(extra.SerializeToString())  # merged into the model's graph, as in `with_initializers`
+        os.replace(staging / data_name, path.parent / data_name)
+        os.replace(staging / path.name, path)
+
+
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write `model` to `path` atomically; weights go to `<name>.data` when the model is large,
     else inline.

@@ -44,7 +44,7 @@ def test_missing_tokenizer_is_named(tiny_llama_onnx, tmp_path):
 
 
 def test_large_models_use_external_data(tmp_path, monkeypatch):
-    # Pretend the 2 GB limit is tiny so the external-data path (torch.export's) runs on a small model.
+    # Pretend the 2 GB limit is tiny so the external-data path runs on a small model.
     monkeypatch.setattr(onnx_io, "EXTERNAL_DATA_THRESHOLD", 1000)
     monkeypatch.setattr("llmc.compiler.export.EXTERNAL_DATA_THRESHOLD", 1000)
     check = export("tiny-gpt2", tmp_path / "model.onnx")

@@ -9,6 +9,7 @@ import torch
 from llmc.errors import LlmcError
 from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.export import _FlatDecoder, export, io_names, model_geometry, sample_inputs
+from llmc.formats.onnx_io import with_initializers
 from llmc.models import load_model
 
 TOLERANCE = 1e-4  # fp32
@@ -26,13 +27,18 @@ def exported(request, tmp_path_factory):
     return loaded, path, check
 
 
-def test_torchscript_is_refused_past_one_protobuf(monkeypatch, tmp_path):
+def test_weights_past_one_protobuf_go_to_a_data_file(monkeypatch, tmp_path):
+    """Past the threshold the TorchScript export writes its weights to `<name>.data` (the graph
+    stays small) and the parity check runs on the files; a stale temporary never stays."""
     monkeypatch.setattr("llmc.compiler.export.EXTERNAL_DATA_THRESHOLD", 1000)
-    with pytest.raises(LlmcError, match="--exporter torchscript: tiny-llama has .* GB of weights"):
-        export(load_model("tiny-llama"), tmp_path / "model.onnx", exporter="torchscript")
+    check = export(load_model("tiny-llama"), tmp_path / "model.onnx", exporter="torchscript")
+    assert check.max_abs < TOLERANCE
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
+    assert (tmp_path / "model.onnx").stat().st_size < (tmp_path / "model.onnx.data").stat().st_size / 10
+    graph = onnx.load(tmp_path / "model.onnx", load_external_data=False)
+    assert recognize_decoder(graph, tmp_path / "model.onnx").geometry.num_layers == 4
     with pytest.raises(LlmcError, match="--exporter: 'jit' is not one of auto, torchscript, dynamo"):
-        export(load_model("tiny-llama"), tmp_path / "model.onnx", exporter="jit")
-    assert list(tmp_path.iterdir()) == []
+        export(load_model("tiny-llama"), tmp_path / "other.onnx", exporter="jit")
 
 
 def test_parity_check_reports_small_error(exported):
@@ -101,9 +107,9 @@ def test_skipping_torchs_whole_graph_shape_inference_writes_the_same_graph(famil
 
     loaded = load_model(write_hf_checkpoint(tmp_path / family, family))
     geometry = model_geometry(loaded.model)
-    skipped = export_module._trace_torchscript(loaded.model, geometry)
+    skipped = with_initializers(*export_module._trace_torchscript(loaded.model, geometry))
     monkeypatch.setattr(export_module, "_without_whole_graph_shape_inference", contextlib.nullcontext)
-    assert export_module._trace_torchscript(loaded.model, geometry) == skipped
+    assert with_initializers(*export_module._trace_torchscript(loaded.model, geometry)) == skipped
 
 
 def test_a_model_traced_with_two_layers_and_repeated_equals_its_full_trace():
@@ -115,10 +121,10 @@ def test_a_model_traced_with_two_layers_and_repeated_equals_its_full_trace():
     loaded = load_model("tiny-llama")
     geometry = model_geometry(loaded.model)
     assert geometry.num_layers == 4
-    repeated = onnx.load_from_string(export_module._trace_torchscript(loaded.model, geometry))
+    repeated = onnx.load_from_string(with_initializers(*export_module._trace_torchscript(loaded.model, geometry)))
     assert any(n.name.startswith("/model/layers.3/") for n in repeated.graph.node)
-    full = onnx.load_from_string(export_module._with_weights(export_module._trace(loaded.model, geometry),
-                                                             _FlatDecoder(loaded.model)))
+    full = onnx.load_from_string(with_initializers(*export_module._with_weights(
+        export_module._trace(loaded.model, geometry), _FlatDecoder(loaded.model))))
     assert [i.name for i in repeated.graph.input] == [i.name for i in full.graph.input] == io_names(4)[0]
     assert [o.name for o in repeated.graph.output] == [o.name for o in full.graph.output] == io_names(4)[1]
     # The full trace gives weights equal to another's (its layer norms, at ones) as Identity nodes;
