@@ -168,10 +168,11 @@ def _checked(model: torch.nn.Module, graph: bytes | Path, check: bool,
 
 def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> tuple[bytes, list[Initializer]]:
     """The decoder by torch.onnx's TorchScript exporter (see `EXPORTERS`): a serialized
-    ModelProto without its weights, and the weights (see `_with_weights`). A model whose layers are all alike is traced with two and its
-    second layer's nodes repeated for the rest (`_repeat_layer`): the trace's cost grows with the
-    graph (SmolLM2-135M's 30 layers: 8.7 s), a copy of a layer's nodes costs next to nothing, and
-    the parity check runs the whole model against PyTorch either way."""
+    ModelProto without its weights, and the weights (see `_with_weights`). A model whose layers
+    are all alike is traced with two and its second layer's nodes repeated for the rest
+    (`_repeat_layer`): the trace's cost grows with the graph (SmolLM2-135M's 30 layers: 8.7 s), a
+    copy of a layer's nodes costs next to nothing, and the parity check runs the whole model
+    against PyTorch either way."""
     short = _first_layers(model, TRACED_LAYERS)
     if short is not None:
         graph = _trace(short, model_geometry(short))
@@ -223,9 +224,8 @@ def _repeat_layer(graph: onnx.ModelProto, layers: int) -> bool:
     """Grow a graph traced with `TRACED_LAYERS` layers to `layers` by copying the last layer's
     nodes (those of its scope, `/model/layers.1/`), renamed for each new layer and chained on the
     hidden state; its past and present are copied with them, its weights renamed to the new
-    layer's. Returns
-    False, leaving the graph as it was, where the layer is not a pattern it can copy: anything
-    but the hidden state and the presents leaving it."""
+    layer's. Returns False, leaving the graph as it was, where the layer is not a pattern it can
+    copy: anything but the hidden state and the presents leaving it."""
     last = TRACED_LAYERS - 1
     scope = f"/model/layers.{last}/"
     nodes = graph.graph.node
@@ -244,14 +244,14 @@ def _repeat_layer(graph: onnx.ModelProto, layers: int) -> bool:
     weights = f".layers.{last}."
 
     def renamed(name: str, layer: int) -> str:
-        if name == previous:
+        if name == previous:  # the hidden state coming in: the layer before's
             return hidden.replace(scope, f"/model/layers.{layer - 1}/")
+        if name in presents or name.startswith(f"past_key_values.{last}."):
+            return name.replace(f".{last}.", f".{layer}.")
+        if weights in name:
+            return name.replace(weights, f".layers.{layer}.")
         if name in made:
-            return name.replace(scope, f"/model/layers.{layer}/") if scope in name else \
-                name.replace(f".{last}.", f".{layer}.") if name in presents else f"{name}/layers.{layer}"
-        if name.startswith("past_key_values.") or weights in name:
-            return name.replace(f".{last}.", f".{layer}.", 1) if name.startswith("past") else \
-                name.replace(weights, f".layers.{layer}.")
+            return name.replace(scope, f"/model/layers.{layer}/") if scope in name else f"{name}/layers.{layer}"
         return name  # made before the layers, shared by all
 
     downstream, reached = [], set(made)
@@ -259,14 +259,15 @@ def _repeat_layer(graph: onnx.ModelProto, layers: int) -> bool:
         if not node.name.startswith(scope) and any(i in reached for i in node.input):
             downstream.append(node)
             reached.update(node.output)
-    upstream = [n for n in nodes if not n.name.startswith(scope) and n not in downstream]
+    after = {id(n) for n in downstream}
+    upstream = [n for n in nodes if not n.name.startswith(scope) and id(n) not in after]
     copies = []
     for layer in range(last + 1, layers):
         for node in pattern:
             copy_ = onnx.NodeProto()
             copy_.CopyFrom(node)
             copy_.name = node.name.replace(scope, f"/model/layers.{layer}/")
-            copy_.input[:] = [renamed(i, layer) if i else i for i in node.input]
+            copy_.input[:] = [renamed(i, layer) if i else i for i in node.input]  # "": an absent input
             copy_.output[:] = [renamed(o, layer) for o in node.output]
             copies.append(copy_)
     final = hidden.replace(scope, f"/model/layers.{layers - 1}/")
@@ -294,9 +295,9 @@ Initializer = tuple[onnx.TensorProto, memoryview]  # a TensorProto's header (nam
 
 def _with_weights(proto: onnx.ModelProto, module: torch.nn.Module) -> tuple[bytes, list[Initializer]]:
     """The exporter's graph (its weights left as inputs named as the module's parameters),
-    serialized without them, and them as initializers for it. A weight that reaches a MatMul through a 2-D Transpose
-    is stored transposed in that Transpose's place: the weights reach their MatMuls as
-    initializers, as the precision passes and torch.export's graphs have them."""
+    serialized without them, and them as initializers for it. A weight that reaches a MatMul
+    through a 2-D Transpose is stored transposed in that Transpose's place: the weights reach
+    their MatMuls as initializers, as the precision passes and torch.export's graphs have them."""
     tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     readers: dict[str, list[onnx.NodeProto]] = {}
     for node in proto.graph.node:
