@@ -5,6 +5,7 @@ clean `LlmcError` or in exactly the tokens of an unloaded run, with every KV blo
 import asyncio
 import itertools
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -401,8 +402,17 @@ def test_async_callers_in_a_failed_step_get_the_error_and_the_others_finish(smal
             return seen, tokens, error
         return seen, tokens, None
 
+    # The worker's first step waits until all three requests are submitted: taken one by one, the
+    # first could be stepped alone and the fault would find the requests at different counts.
+    gate, wake = threading.Event(), server._wake.wait
+    server._wake.wait = lambda: gate.wait() and wake()
+
     async def main():
-        results = await asyncio.gather(*(consume(p) for p in prompts[:3]))
+        callers = [asyncio.ensure_future(consume(p)) for p in prompts[:3]]
+        while server._submitted < 3:
+            await asyncio.sleep(0)
+        gate.set()
+        results = await asyncio.gather(*callers)
         after = await consume(prompts[3])
         await server.wait_idle()
         return results, after
