@@ -123,7 +123,7 @@ def _share_threads(threads: int | None) -> None:
 @click.option("--no-check", is_flag=True, help="Skip the onnxruntime-vs-PyTorch parity check.")
 @click.option("--exporter", default="auto", show_default=True, type=click.Choice(["auto", "torchscript", "dynamo"]),
               help="torch.onnx's exporter: torchscript traces once (fast), dynamo uses torch.export; auto "
-                   "takes torchscript below 1.8 GB of weights.")
+                   "is torchscript.")
 def export(model, output, no_check, exporter):
     """Export MODEL (a built-in name or a Hugging Face checkpoint folder) to ONNX."""
     from llmc.compiler.export import export as export_model
