@@ -189,9 +189,7 @@ def save_with_external_data(model: bytes, tensors: Sequence[tuple[onnx.TensorPro
     gathered into one message (past 2 GB none can hold them)."""
     path = Path(path)
     data_name = path.name + ".data"
-    extra = onnx.ModelProto()
-    for key, value in metadata.items():
-        extra.metadata_props.add(key=key, value=value)
+    extra = _metadata_message(metadata)
     with _staging(path) as staging:
         with open(staging / data_name, "wb") as out:
             for header, data in tensors:
@@ -241,15 +239,21 @@ def save_serialized(model: bytes, path: str | os.PathLike, *, metadata: dict[str
         path: the destination .onnx file (a stale `<name>.data` beside it is removed).
         metadata: key/value pairs for metadata_props.
     """
-    extra = onnx.ModelProto()
-    for key, value in metadata.items():
-        extra.metadata_props.add(key=key, value=value)
     path = Path(path)
     with _staging(path) as staging:
         with open(staging / path.name, "wb") as f:
             f.write(model)
-            f.write(extra.SerializeToString())
+            f.write(_metadata_message(metadata).SerializeToString())
         _publish_inline(staging / path.name, path)
+
+
+def _metadata_message(metadata: dict[str, str]) -> onnx.ModelProto:
+    """A ModelProto holding only `metadata` as metadata_props: written after a serialized model,
+    protobuf adds them to its own."""
+    extra = onnx.ModelProto()
+    for key, value in metadata.items():
+        extra.metadata_props.add(key=key, value=value)
+    return extra
 
 
 @contextlib.contextmanager
