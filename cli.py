@@ -191,6 +191,8 @@ def optimize(onnx_file, output, level, passes, verify, report):
 @click.option("--calib-tokens", default=4096, show_default=True, type=int, help="Calibration tokens read at most.")
 @click.option("--weights", default=None, help="Weight-only int8 or int4 for linear layers (activations stay float).")
 @click.option("--weights-block-size", default=32, show_default=True, type=int, help="Weights per scale for --weights.")
+@click.option("--weights-symmetric", is_flag=True, help="Weight-only blocks without zero points (onnxruntime-genai's "
+              "scheme; a little faster, less accurate than the default asymmetric blocks).")
 @click.option("--precision-config", type=click.Path(), help="Mixed precision: JSON mapping layers or op types "
               "to fp32/fp16/int8/int8-dynamic/int8-weights/int4.")
 @click.option("--calib", type=click.Path(), help="Text like your traffic (.txt/.jsonl/.npy/.npz folder) to check a "
@@ -211,8 +213,8 @@ def optimize(onnx_file, output, level, passes, verify, report):
               "precision, geometry, passes, build time, warnings); progress stays on stderr.")
 def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, block_size,
                     max_batch, max_seq_len, kv_pool_mb, kv_cache_dtype, fp16, int8_calib, calibrator, smoothquant,
-                    int8_dynamic, calib_tokens, weights, weights_block_size, precision_config, calib, max_ppl_increase,
-                    force, dry_run, max_num_tokens, builder_optimization_level, timing_cache, workspace_mb,
+                    int8_dynamic, calib_tokens, weights, weights_block_size, weights_symmetric, precision_config, calib,
+                    max_ppl_increase, force, dry_run, max_num_tokens, builder_optimization_level, timing_cache, workspace_mb,
                     hardware_compatible, version_compatible, as_json):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
     from llmc.compiler.build import compile_model
@@ -243,9 +245,9 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
     start = time.perf_counter()
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
                              passes=_pass_names(passes), verify=verify, paged=options,
-                             precision=PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens,
-                                                        weights, weights_block_size, precision_config, int8_dynamic,
-                                                        calib, max_ppl_increase, force),
+                             precision=PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens, weights,
+                                                        weights_block_size, weights_symmetric, precision_config,
+                                                        int8_dynamic, calib, max_ppl_increase, force),
                              tensorrt=tensorrt, progress=progress)
     if dry_run:
         if as_json:
@@ -282,6 +284,7 @@ def _compile_summary(engine: Path, manifest: dict, seconds: float, warnings: lis
             "backend": manifest["backend"], "dtype": manifest["dtype"],
             "precision": None if not precision else {
                 "fp16": precision.get("fp16", False), "accuracy": precision.get("accuracy"),
+                **({"weights_symmetric": precision["weights_symmetric"]} if "weights_symmetric" in precision else {}),
                 "linears": {kind: list(precision["linears"].values()).count(kind)
                             for kind in sorted(set(precision.get("linears", {}).values()))}},
             "geometry": manifest["geometry"],

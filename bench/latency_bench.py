@@ -5,8 +5,9 @@ The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench'
 SmolLM2-135M-Instruct (tests/smollm2.py; 64 new tokens instead of 128). Both systems build from
 it with their own tools, timed as subprocesses: `llmc export` + `llmc compile` (default options:
 the paged engine) against onnxruntime-genai's model builder (fp32, cpu); then `llmc compile
---weights int4 --force` against the builder's `-p int4`. A failed build is reported, not fatal
-(except fp32's).
+--weights int4 --force` against the builder's `-p int4`, and llmc's int4 again in the builder's
+scheme (`--weights-symmetric` and lm_head int4 by a --precision-config rule). A failed build is
+reported, not fatal (except fp32's).
 
 Every measurement run is a process of its own, llmc and genai alternating (the first of each pair
 alternating too), so that both see the same machine; each uses 2 threads (`--threads`). A run:
@@ -22,7 +23,8 @@ alternating too), so that both see the same machine; each uses 2 threads (`--thr
   decode, batch 16    16 requests of 128 + 128 at once (llmc: added together to one Engine with
                       its default scheduler; genai: one generator of batch 16); rate = tokens made
                       after every request has its first token ÷ the time from then to the last
-  int4 runs           the same load, warm-up and batch-1 decode on the int4 builds
+  int4 runs           the same load, warm-up and batch-1 decode on the int4 builds (genai's int4
+                      build beside each of llmc's two)
 
 Prompts are fresh random token ids in every request and run (ids ≥ 260, no special tokens; no
 prefix can be cached), EOS ignored (llmc: ignore_eos; genai: min_length = max_length). Rates and
@@ -56,6 +58,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 LOW_ID = 260  # random prompt ids start here: past the byte-level tokenizer's and SmolLM2's special ids
 SHORT_PROMPT = 16  # the load + first token prompt
+# llmc's int4 builds: its default (asymmetric blocks, int8 lm_head: the accuracy choices of
+# precision/weight_only.py), and onnxruntime-genai's scheme (symmetric, lm_head in int4 too), which
+# separates the speed comparison from those choices; genai's one int4 build runs beside each.
+PRECISIONS = ("fp32", "int4", "int4-sym")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +239,8 @@ def build(checkpoint: Path, out: Path) -> dict[str, Any]:
     genai = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-e", "cpu",
              "-c", str(out / "genai-cache")]
     errors: dict[str, str] = {}
+    lm_head = out / "int4-lm-head.json"
+    lm_head.write_text(json.dumps({"rules": {"lm_head": "int4"}}))
     seconds = {
         "llmc_export": timed([*llmc, "export", str(checkpoint), "-o", str(onnx)], "llmc export", errors),
         "llmc_compile": timed([*llmc, "compile", str(onnx), "-o", str(out / "fp32.plan")], "llmc compile", errors),
@@ -241,12 +249,15 @@ def build(checkpoint: Path, out: Path) -> dict[str, Any]:
                                     "--force"], "llmc compile --weights int4 --force", errors),
         "genai_builder_int4": timed([*genai, "-o", str(out / "genai-int4"), "-p", "int4"], "genai builder int4",
                                     errors),
+        "llmc_compile_int4_sym": timed([*llmc, "compile", str(onnx), "-o", str(out / "int4-sym.plan"), "--weights",
+                                        "int4", "--weights-symmetric", "--precision-config", str(lm_head), "--force"],
+                                       "llmc compile --weights int4 in genai's scheme", errors),
     }
     shutil.rmtree(out / "genai-cache", ignore_errors=True)
-    paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan"},
-             "genai": {"fp32": out / "genai-fp32", "int4": out / "genai-int4"}}
+    paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan", "int4-sym": out / "int4-sym.plan"},
+             "genai": {"fp32": out / "genai-fp32", "int4": out / "genai-int4", "int4-sym": out / "genai-int4"}}
     built = {p: paths["llmc"][p].is_file() and (paths["genai"][p] / "genai_config.json").is_file()
-             for p in ("fp32", "int4")}
+             for p in PRECISIONS}
     return {"seconds": seconds, "paths": paths, "built": built, "errors": errors}
 
 
@@ -317,16 +328,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "parameters": ensure_checkpoint(checkpoint, spec)}
     model["weights_mib"] = weight_mib(checkpoint)
     built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}")
-    precisions = [p for p in ("fp32", "int4") if built["built"][p]]
+    precisions = [p for p in PRECISIONS if built["built"][p]]
     if "fp32" not in precisions:
         raise RuntimeError("the fp32 builds failed: " + "; ".join(f"{k}: {v}" for k, v in built["errors"].items()))
     model["llmc_pool_mib"] = {p: pool_mib(built["paths"]["llmc"][p]) for p in precisions}
 
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"fp32": [], "int4": []} for s in ("llmc", "genai")}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {p: [] for p in PRECISIONS} for s in ("llmc", "genai")}
     seed = args.seed
     for rep in range(reps):
         for precision in precisions:
-            order = ("llmc", "genai") if (rep + (precision == "int4")) % 2 == 0 else ("genai", "llmc")
+            order = ("llmc", "genai") if (rep + PRECISIONS.index(precision)) % 2 == 0 else ("genai", "llmc")
             for system in order:
                 seed += 1  # fresh prompts in every run
                 job = {"system": system, "path": str(built["paths"][system][precision]), "threads": args.threads,
@@ -344,6 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = [  # (label, key, precision, higher is better)
         ("decode, batch 1, fp32 (tok/s)", "decode_tok_s", "fp32", True),
         ("decode, batch 1, int4 weight-only (tok/s)", "decode_tok_s", "int4", True),
+        ("decode, batch 1, int4 in genai's scheme: symmetric, int4 lm_head (tok/s)", "decode_tok_s", "int4-sym", True),
         (f"decode, static batch of {sizes.batch} (tok/s)", "batch_decode_tok_s", "fp32", True),
         (f"time to first token, batch 1, {sizes.prompt}-token prompt (ms)", "ttft_ms", "fp32", False),
         (f"time to first token, batch 1, {sizes.long_prompt}-token prompt (ms)", "ttft_long_ms", "fp32", False),
@@ -414,7 +426,7 @@ def render(result: dict[str, Any]) -> str:
               + " |" for r in rows[1:]]
     b = result["build_s"]
     lines += ["", f"build steps (s): llmc export {b['llmc_export']}, compile {b['llmc_compile']}, compile int4 "
-                  f"{b['llmc_compile_int4']}; genai builder {b['genai_builder']}, int4 {b['genai_builder_int4']}"]
+                  f"{b['llmc_compile_int4']}, compile int4 in genai's scheme {b['llmc_compile_int4_sym']}; genai builder {b['genai_builder']}, int4 {b['genai_builder_int4']}"]
     peak = {s: _median([r["peak_rss_mib"] for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
     lines.append(f"peak resident (VmHWM) of an fp32 run (MiB): llmc {peak['llmc']}, genai {peak['genai']}")
     lines += [f"FAILED build: {what}: {error}" for what, error in result["build_errors"].items()]

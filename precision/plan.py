@@ -46,7 +46,8 @@ from llmc.precision.fp16 import convert_to_fp16, node_key
 from llmc.precision.gate import DEFAULT_MAX_PPL_INCREASE, split
 from llmc.precision.int8 import quantize_int8
 from llmc.precision.linears import linear_layers
-from llmc.precision.weight_only import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LM_HEAD_UNDER_INT4, quantize_weights
+from llmc.precision.weight_only import (BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LM_HEAD_UNDER_INT4, SYMMETRIC,
+                                         quantize_weights)
 from llmc.precision.weight_only import SAMPLE_ROWS as WEIGHT_SAMPLE_ROWS
 
 PRECISIONS = ("fp32", "fp16", "int8", "int8-dynamic", "int8-weights", "int4")
@@ -64,6 +65,7 @@ class PrecisionOptions:
     calib_tokens: int = 4096
     weights: str | None = None
     weights_block_size: int = DEFAULT_BLOCK_SIZE
+    weights_symmetric: bool = SYMMETRIC   # True: no zero points (onnxruntime-genai's int4 scheme)
     config: str | None = None
     int8_dynamic: bool = False
     calib: str | None = None              # data for the accuracy check (and SmoothQuant) without --int8-calib
@@ -198,8 +200,9 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
             activations = observe(model, calibration, sorted({l.node.input[0] for l in layers}), histograms=False,
                                   sample_rows=WEIGHT_SAMPLE_ROWS, progress=progress)
         quantize_weights(model, bits, options.weights_block_size, select=lambda node: id(node) in nodes,
-                         activations=activations)
+                         symmetric=options.weights_symmetric, activations=activations)
         entry["weights_block_size"] = options.weights_block_size
+        entry["weights_symmetric"] = options.weights_symmetric
         entry[f"{label}_activation_aware"] = activations is not None
     for label, dynamic in (("int8", False), ("int8-dynamic", True)):
         layers = [by_name[n] for n, p in chosen.items() if p == label]

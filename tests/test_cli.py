@@ -285,10 +285,11 @@ def test_compile_json_is_one_summary_a_ci_job_can_record(tiny_llama_onnx, tmp_pa
     assert summary["passes"]["fuse-attention"] == 4 and summary["nodes"]["final"] < summary["nodes"]["source"]
     assert summary["build_s"] > 0 and summary["warnings"] == []
     quantized = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(tmp_path / "q.plan"), "--json",
-                                          "--weights", "int8", "--force"])
+                                          "--weights", "int8", "--weights-symmetric", "--force"])
     assert quantized.exit_code == 0, quantized.output
     # qkv, o, gate+up (merged siblings), down per layer, and lm_head
     assert json.loads(quantized.stdout)["precision"]["linears"] == {"int8-weights": 4 * 4 + 1}
+    assert json.loads(quantized.stdout)["precision"]["weights_symmetric"] is True
 
 
 def test_dry_run_json_exits_2_with_the_nodes_at_fault(tiny_llama_onnx, tmp_path):

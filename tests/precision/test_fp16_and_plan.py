@@ -85,6 +85,19 @@ def test_lm_head_rules_and_calibrated_int4(tiny_llama_onnx):
         "int4_activation_aware"]
 
 
+def test_symmetric_weights_with_an_int4_lm_head_as_onnxruntime_genai_builds_them(tiny_llama_onnx, tmp_path):
+    config = tmp_path / "lm_head.json"
+    config.write_text(json.dumps({"rules": {"lm_head": "int4"}}))
+    model, _ = optimize(onnx.load(tiny_llama_onnx), level=2)
+    for symmetric, inputs in ((True, 3), (False, 4)):  # zero points are MatMulNBits' fourth input
+        options = PrecisionOptions(weights="int4", weights_symmetric=symmetric, config=str(config), force=True)
+        quantized = copy.deepcopy(model)
+        entry = apply_precision(quantized, options, check_options(options), [])
+        assert entry["weights_symmetric"] is symmetric and set(entry["linears"].values()) == {"int4"}
+        nodes = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+        assert len(nodes) == len(entry["linears"]) and {len(n.input) for n in nodes} == {inputs}
+
+
 def test_conflicting_and_bad_options_are_refused(tiny_llama_onnx, tmp_path):
     with pytest.raises(LlmcError, match="--int8-calib, --int8-dynamic and --weights each set every linear layer"):
         check_options(PrecisionOptions(int8_calib="x", weights="int4"))
