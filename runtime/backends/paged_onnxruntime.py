@@ -145,9 +145,12 @@ class PagedDecoder:
         if self.single is None or segments_at_load:
             self._segmented()
         self.num_blocks = pool_blocks(paged, geometry, kv_pool_mb)
-        shape = (self.num_blocks, geometry.num_kv_heads, paged.block_size, geometry.head_dim)
-        self.pools = {f"{part}_cache.{i}": allocate_pool(shape, paged.kv_dtype)
-                      for i in range(geometry.num_layers) for part in ("key", "value")}
+        # Every layer's keys and values in one array, [layer and part, block, kv head, slot, head dim]:
+        # storing a step, or copying a block, is one NumPy operation instead of one a layer.
+        self.pool = allocate_pool((2 * geometry.num_layers, self.num_blocks, geometry.num_kv_heads, paged.block_size,
+                                   geometry.head_dim), paged.kv_dtype)
+        self.pools = {f"{part}_cache.{layer}": self.pool[2 * layer + i]  # what the sessions and kernel read
+                      for layer in range(geometry.num_layers) for i, part in enumerate(("key", "value"))}
 
     def _open(self, section: str):
         """A session over one of the engine's graph sections, its weights mapped from the file."""
@@ -182,7 +185,7 @@ class PagedDecoder:
         `rows` (default: each sequence's last token)."""
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
         if self.single is not None and self.single.runs(batch, len(tokens)):
-            return self.single.step(tokens, positions, batch, rows, self.pools)
+            return self.single.step(tokens, positions, batch, rows, self.pool)
         attention, sessions = self._segmented()
         layout = attention.layout(batch, self.windows)
         values = {"input_ids": tokens[None], "position_ids": positions[None],
@@ -213,9 +216,8 @@ class PagedDecoder:
         """Copy-on-write: pool block `src` into `dst` for each pair, in every pool."""
         if pairs and self.single is not None:
             self.single.written(np.array([dst for _, dst in pairs]))
-        for pool in self.pools.values():
-            for src, dst in pairs:
-                pool[dst] = pool[src]
+        for src, dst in pairs:
+            self.pool[:, dst] = self.pool[:, src]
 
     def warm_up(self, tokens: int = DENSE_MIN_TOKENS + 1, seqs: int = 2) -> None:
         """Run one throw-away step of `tokens` tokens (one prompt, the rest decodes of `seqs`
@@ -227,7 +229,7 @@ class PagedDecoder:
         first real step of that size about 0.07 s. The decodes are left out while the kernel is
         still loading: start-up does not wait for it. It writes only into pool blocks no request
         owns yet; nothing reads them before a request's own keys and values overwrite them."""
-        blocks = len(next(iter(self.pools.values())))
+        blocks = self.num_blocks
         if self.single is not None:
             prompt = max(1, min(tokens, blocks * self.block_size))
             width = -(-prompt // self.block_size)

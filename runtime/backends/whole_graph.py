@@ -49,7 +49,7 @@ class WholeGraph:
                  block_size: int, dtype: str, max_rows: int, allocate):
         self.session, self.block_size, self.max_rows = session, block_size, max_rows
         self._shape, self._dtype, self._allocate = (kv_heads, capacity, head_dim), dtype, allocate
-        self._names = [(layer, part) for layer in range(layers) for part in ("key", "value")]
+        self._names = [(layer, part) for layer in range(layers) for part in ("key", "value")]  # the pool's order
         self._binding = session.io_binding()
         self._binding.bind_output("logits")  # first: get_outputs()[0]
         # A decode's inputs and logits live in arrays bound once and rewritten in place: binding
@@ -60,8 +60,6 @@ class WholeGraph:
                         "logits_rows": np.zeros(1, np.int64), "logits": np.zeros((1, 1, vocab), np.float32)}
         self._decode_values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self._decode.items()}
         self._decode_bound = False  # whether those arrays are what the binding holds
-        self.buffers: dict[str, np.ndarray] = {}  # by the pool each mirrors
-        self._bound_rows = 0
         self._grow(1)
 
     def runs(self, batch: PagedBatch, tokens: int) -> bool:
@@ -82,18 +80,19 @@ class WholeGraph:
                     self._held[row] = min(self._held[row], int(hit.argmax()) * self.block_size)
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray,
-             pools: dict[str, np.ndarray]) -> np.ndarray:
-        """Run one step (see `runs`); stores its keys and values in `pools` too; returns the
+             pool: np.ndarray) -> np.ndarray:
+        """Run one step (see `runs`); stores its keys and values in `pool` too ([layer and part,
+        block, kv head, slot, head dim], the layers and parts in `_names`' order); returns the
         logits of the packed `rows`."""
         pasts = np.asarray(batch.context_lens, np.int64)
         tables = [np.asarray(t) for t in batch.block_tables]
         if batch.num_seqs == 1:
             seats = np.zeros(1, np.int64)
             self._tables[1:], self._held[1:] = [None] * (self.rows - 1), 0  # released
-            self._seat(0, tables[0], int(pasts[0]), pools)
+            self._seat(0, tables[0], int(pasts[0]), pool)
             used = 1
         else:
-            seats = self._seats(tables, pasts, pools)
+            seats = self._seats(tables, pasts, pool)
             used = int(seats.max()) + 1
         self._bind(used)
         totals = pasts + np.diff(batch.query_start_loc)
@@ -119,10 +118,10 @@ class WholeGraph:
             logits = binding.get_outputs()[0].numpy()
         for seat, table, total in zip(seats, tables, totals):
             self._tables[seat], self._held[seat] = table, total
-        self._store(seats, tables, pasts, totals, pools)
+        self._store(seats, tables, pasts, totals, pool)
         return logits[0]
 
-    def _seats(self, tables: list[np.ndarray], pasts: np.ndarray, pools: dict[str, np.ndarray]) -> np.ndarray:
+    def _seats(self, tables: list[np.ndarray], pasts: np.ndarray, pool: np.ndarray) -> np.ndarray:
         """Each sequence's row: the one holding it if any, else a free one (lowest first), its
         missing positions copied from the pool. Rows no sequence of the step took are released."""
         if len(tables) > self.rows:
@@ -146,7 +145,7 @@ class WholeGraph:
         for i, table in enumerate(tables):
             if seats[i] < 0:
                 seats[i] = next(free)
-            self._seat(int(seats[i]), table, int(pasts[i]), pools)
+            self._seat(int(seats[i]), table, int(pasts[i]), pool)
         return seats
 
     def _continues(self, row: int, table: np.ndarray) -> bool:
@@ -157,44 +156,42 @@ class WholeGraph:
         needed = -(-int(self._held[row]) // self.block_size)
         return needed <= min(len(held), len(table)) and np.array_equal(held[:needed], table[:needed])
 
-    def _seat(self, row: int, table: np.ndarray, past: int, pools: dict[str, np.ndarray]) -> None:
+    def _seat(self, row: int, table: np.ndarray, past: int, pool: np.ndarray) -> None:
         """Make `row` hold the sequence's first `past` positions, copying from the pool what it lacks."""
         first = int(self._held[row]) if self._tables[row] is not None and self._continues(row, table) else 0
         first = min(first, past)
-        if first < past:
-            start = first // self.block_size
-            blocks = table[start:-(-past // self.block_size)]
-            for name, pool in pools.items():
-                gathered = pool[blocks]  # [blocks, kv_heads, block_size, head_dim]
-                kv_heads, head_dim = gathered.shape[1], gathered.shape[3]
-                flat = gathered.transpose(1, 0, 2, 3).reshape(kv_heads, -1, head_dim)
-                offset = start * self.block_size
-                self.buffers[name][row, :, first:past] = flat[:, first - offset:past - offset]
+        for block, offset, start, end in self._spans(table, first, past):
+            self.buffer[:, row, :, start:end] = pool[:, block, :, offset:offset + end - start]
         self._tables[row], self._held[row] = table, past
 
     def _store(self, seats: np.ndarray, tables: list[np.ndarray], pasts: np.ndarray, totals: np.ndarray,
-               pools: dict[str, np.ndarray]) -> None:
-        """The step's new keys and values from the buffers into the pool."""
+               pool: np.ndarray) -> None:
+        """The step's new keys and values from the buffer into the pool."""
         size = self.block_size
-        if len(seats) > 1:  # one token each: one scatter per pool
+        if len(seats) > 1:  # one token each: one scatter
             blocks = np.array([table[past // size] for table, past in zip(tables, pasts)])
-            for name, pool in pools.items():
-                pool[blocks, :, pasts % size] = self.buffers[name][seats, :, pasts]
+            pool[:, blocks, :, pasts % size] = self.buffer[:, seats, :, pasts]
             return
-        table, first, total = tables[0], int(pasts[0]), int(totals[0])
-        while first < total:  # block by block: a buffer's [kv_heads, positions, head_dim] run is a block's slice
-            block, offset = int(table[first // size]), first % size
-            end = min(total, first - offset + size)
-            for name, pool in pools.items():
-                pool[block, :, offset:offset + end - first] = self.buffers[name][0, :, first:end]
-            first = end
+        for block, offset, start, end in self._spans(tables[0], int(pasts[0]), int(totals[0])):
+            pool[:, block, :, offset:offset + end - start] = self.buffer[:, 0, :, start:end]
+
+    def _spans(self, table: np.ndarray, first: int, end: int):
+        """(block, offset in it, first position, end position) of each block-sized run of a
+        sequence's positions [first, end): a row's [kv_heads, positions, head_dim] run is the
+        same as a block's [kv_heads, slots, head_dim] slice."""
+        size = self.block_size
+        while first < end:
+            offset = first % size
+            stop = min(end, first - offset + size)
+            yield int(table[first // size]), offset, first, stop
+            first = stop
 
     def _grow(self, rows: int) -> None:
         """Buffers of at least `rows` rows (a power of two, at most max_rows); what the old ones
         held is dropped (the pool has it)."""
         self.rows = min(self.max_rows, 1 << (rows - 1).bit_length())
-        self.buffers = {f"{part}_cache.{layer}": self._allocate((self.rows, *self._shape), self._dtype)
-                        for layer, part in self._names}
+        # [layer and part, row, kv head, position, head dim], layers and parts in the pool's order
+        self.buffer = self._allocate((len(self._names), self.rows, *self._shape), self._dtype)
         self._bound_rows = 0
         self.invalidate()
 
@@ -203,8 +200,8 @@ class WholeGraph:
         if rows == self._bound_rows:
             return
         self._values = []  # the binding's views of the buffers, kept with it
-        for layer, part in self._names:
-            value = ort.OrtValue.ortvalue_from_numpy(self.buffers[f"{part}_cache.{layer}"][:rows])  # shares memory
+        for index, (layer, part) in enumerate(self._names):
+            value = ort.OrtValue.ortvalue_from_numpy(self.buffer[index, :rows])  # shares memory
             self._values.append(value)
             self._binding.bind_ortvalue_input(f"past_key_values.{layer}.{part}", value)
             self._binding.bind_ortvalue_output(f"present.{layer}.{part}", value)
