@@ -136,21 +136,21 @@ class PagedDecoder:
         self._options = session_options(threads)
         self._attention: CpuPagedAttention | None = None
         self._sessions: list | None = None
-        self.single = None
+        single = None
         if single_sequence and paged.single_sequence:
-            self.single = WholeGraph(self._open(paged.single_sequence), geometry.num_layers, geometry.num_kv_heads,
-                                     geometry.head_dim, paged.max_seq_len, paged.block_size, paged.kv_dtype,
-                                     paged.max_batch, allocate_pool)
+            single = self._open(paged.single_sequence)
             drop_file_pages(engine)  # as after the segments' sessions (see `_segmented`)
-        if self.single is None or segments_at_load:
+        if single is None or segments_at_load:
             self._segmented()
-        self.num_blocks = pool_blocks(paged, geometry, kv_pool_mb)
+        self.num_blocks = pool_blocks(paged, geometry, kv_pool_mb)  # after the sessions: they hold the weights
         # Every layer's keys and values in one array, [layer and part, block, kv head, slot, head dim]:
         # storing a step, or copying a block, is one NumPy operation instead of one a layer.
         self.pool = allocate_pool((2 * geometry.num_layers, self.num_blocks, geometry.num_kv_heads, paged.block_size,
                                    geometry.head_dim), paged.kv_dtype)
         self.pools = {f"{part}_cache.{layer}": self.pool[2 * layer + i]  # what the sessions and kernel read
                       for layer in range(geometry.num_layers) for i, part in enumerate(("key", "value"))}
+        self.single = None if single is None else WholeGraph(
+            single, self.pool, paged.max_seq_len, paged.block_size, paged.max_batch, allocate_pool, eager=any(self.windows))
 
     def _open(self, section: str):
         """A session over one of the engine's graph sections, its weights mapped from the file."""
@@ -184,8 +184,10 @@ class PagedDecoder:
         """Run one packed step; stores its keys and values; returns the logits of the packed
         `rows` (default: each sequence's last token)."""
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
-        if self.single is not None and self.single.runs(batch, len(tokens)):
-            return self.single.step(tokens, positions, batch, rows, self.pool)
+        if self.single is not None:
+            if self.single.runs(batch, len(tokens)):
+                return self.single.step(tokens, positions, batch, rows)
+            self.single.flush()  # the segments read the pool
         attention, sessions = self._segmented()
         layout = attention.layout(batch, self.windows)
         values = {"input_ids": tokens[None], "position_ids": positions[None],
@@ -215,6 +217,7 @@ class PagedDecoder:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: pool block `src` into `dst` for each pair, in every pool."""
         if pairs and self.single is not None:
+            self.single.flush()
             self.single.written(np.array([dst for _, dst in pairs]))
         for src, dst in pairs:
             self.pool[:, dst] = self.pool[:, src]

@@ -10,13 +10,16 @@ buffers [rows, kv heads, max_seq_len, head dim] per layer that the session appen
 (bound as both its past and its present). A step of one sequence uses row 0; a decode of several
 gives each sequence a row and keeps it there while it runs.
 
-The pool stays the one record of every sequence's keys and values: each step also stores what it
-appended into the sequences' pool blocks (a few KiB a token), so a segmented step, a prefix-cache
-hit or a copy-on-write reads the same values whichever path made them. A row caches the sequence
-it last ran: the next step reuses it when it continues that sequence (same leading blocks) and
-copies from the pool only the positions it lacks (those a segmented step appended). Whatever
-writes pool blocks another way (`written`) cuts what each row holds back to before those blocks;
-a row left out of a step is released, since that step may reuse its blocks.
+The pool stays the record every other reader uses: a segmented step, a prefix-cache hit seated
+in another row, a copy-on-write. What a row appends reaches the pool when something is about to
+read it there, or when the row is dropped (`flush`), block by block: per-step scatters of a
+token's keys and values into every layer's pool cost 0.7-0.8 ms of a 16-sequence decode step of
+the 25M Llama. (A model with attention windows stores every step at once: its rows may hold
+positions whose blocks the window has released.) A row caches the sequence it last ran: the next
+step reuses it when it continues that sequence (same leading blocks) and copies from the pool
+only the positions it lacks (those a segmented step appended). Whatever writes pool blocks
+another way (`written`) cuts what each row holds back to before those blocks; a row left out of
+a step is released, since that step may reuse its blocks.
 
 Memory: the buffers grow to the most rows a step has used (powers of two up to the engine's max
 batch) and, like the pool, are mapped on first write, so they hold what the sequences run here
@@ -38,16 +41,20 @@ class WholeGraph:
 
     Args:
         session: the engine's single-sequence graph, opened.
-        layers, kv_heads, head_dim, capacity: the buffers' shape (capacity: max_seq_len).
-        block_size: the pool's.
-        dtype: the buffers' element type (the pool's).
+        pool: the KV pool, [layer and part, block, kv head, slot, head dim] (layers and parts in
+            `_names`' order), which this path writes back into.
+        capacity: the buffers' positions (max_seq_len).
         max_rows: the most sequences a decode step may run here (the engine's max batch).
         allocate: makes a zeroed array whose pages are mapped on first write.
+        eager: store each step's keys and values at once (a model with attention windows: the
+            blocks a window has left behind are released, and their table entries read 0, so a
+            late write-back could not tell where they went).
     """
 
-    def __init__(self, session: ort.InferenceSession, layers: int, kv_heads: int, head_dim: int, capacity: int,
-                 block_size: int, dtype: str, max_rows: int, allocate):
-        self.session, self.block_size, self.max_rows = session, block_size, max_rows
+    def __init__(self, session: ort.InferenceSession, pool: np.ndarray, capacity: int, block_size: int,
+                 max_rows: int, allocate, eager: bool = False):
+        layers, kv_heads, head_dim, dtype = pool.shape[0] // 2, pool.shape[2], pool.shape[4], pool.dtype
+        self.session, self.pool, self.block_size, self.max_rows, self.eager = session, pool, block_size, max_rows, eager
         self._shape, self._dtype, self._allocate = (kv_heads, capacity, head_dim), dtype, allocate
         self._names = [(layer, part) for layer in range(layers) for part in ("key", "value")]  # the pool's order
         self._binding = session.io_binding()
@@ -60,6 +67,7 @@ class WholeGraph:
                         "logits_rows": np.zeros(1, np.int64), "logits": np.zeros((1, 1, vocab), np.float32)}
         self._decode_values = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in self._decode.items()}
         self._decode_bound = False  # whether those arrays are what the binding holds
+        self._tables: list[np.ndarray | None] = []
         self._grow(1)
 
     def runs(self, batch: PagedBatch, tokens: int) -> bool:
@@ -67,32 +75,43 @@ class WholeGraph:
         return batch.num_seqs == 1 or (tokens == batch.num_seqs <= self.max_rows)
 
     def invalidate(self) -> None:
-        """Nothing in the buffers is reusable (a step wrote the pool's blocks unseen)."""
-        self._tables: list[np.ndarray | None] = [None] * self.rows
-        self._held = np.zeros(self.rows, np.int64)
+        """Nothing in the buffers is reusable, nor to be written back (a throw-away step)."""
+        self._tables = [None] * self.rows
+        self._held = np.zeros(self.rows, np.int64)  # positions each row holds
+        self._stored = np.zeros(self.rows, np.int64)  # of which the pool has these first ones
+
+    def flush(self, rows=None) -> None:
+        """Write back into the pool what `rows` (default: all) hold and it lacks. Called before
+        anything reads the pool or a row's contents are dropped."""
+        for row in range(self.rows) if rows is None else rows:
+            table, stored, held = self._tables[row], int(self._stored[row]), int(self._held[row])
+            if table is not None and stored < held:
+                for block, offset, start, end in self._spans(table, stored, held):
+                    self.pool[:, block, :, offset:offset + end - start] = self.buffer[:, row, :, start:end]
+                self._stored[row] = held
 
     def written(self, blocks: np.ndarray) -> None:
-        """Pool `blocks` were written another way: each row keeps only what lies before them."""
+        """Pool `blocks` were written another way (the caller flushed first): each row keeps only
+        what lies before them."""
         for row, table in enumerate(self._tables):
             if table is not None and self._held[row]:
                 hit = np.isin(table[:-(-self._held[row] // self.block_size)], blocks)
                 if hit.any():
                     self._held[row] = min(self._held[row], int(hit.argmax()) * self.block_size)
+                    self._stored[row] = min(self._stored[row], self._held[row])
 
-    def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray,
-             pool: np.ndarray) -> np.ndarray:
-        """Run one step (see `runs`); stores its keys and values in `pool` too ([layer and part,
-        block, kv head, slot, head dim], the layers and parts in `_names`' order); returns the
-        logits of the packed `rows`."""
+    def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray) -> np.ndarray:
+        """Run one step (see `runs`); returns the logits of the packed `rows`. Its keys and values
+        reach the pool when it is next flushed (at once when `eager`)."""
         pasts = np.asarray(batch.context_lens, np.int64)
         tables = [np.asarray(t) for t in batch.block_tables]
         if batch.num_seqs == 1:
             seats = np.zeros(1, np.int64)
-            self._tables[1:], self._held[1:] = [None] * (self.rows - 1), 0  # released
-            self._seat(0, tables[0], int(pasts[0]), pool)
+            self._release(range(1, self.rows))
+            self._seat(0, tables[0], int(pasts[0]))
             used = 1
         else:
-            seats = self._seats(tables, pasts, pool)
+            seats = self._seats(tables, pasts)
             used = int(seats.max()) + 1
         self._bind(used)
         totals = pasts + np.diff(batch.query_start_loc)
@@ -118,13 +137,21 @@ class WholeGraph:
             logits = binding.get_outputs()[0].numpy()
         for seat, table, total in zip(seats, tables, totals):
             self._tables[seat], self._held[seat] = table, total
-        self._store(seats, tables, pasts, totals, pool)
+        if self.eager:
+            self.flush(seats)
         return logits[0]
 
-    def _seats(self, tables: list[np.ndarray], pasts: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    def _release(self, rows) -> None:
+        """Rows no sequence holds any more: what they hold goes to the pool first."""
+        self.flush(rows)
+        for row in rows:
+            self._tables[row], self._held[row], self._stored[row] = None, 0, 0
+
+    def _seats(self, tables: list[np.ndarray], pasts: np.ndarray) -> np.ndarray:
         """Each sequence's row: the one holding it if any, else a free one (lowest first), its
         missing positions copied from the pool. Rows no sequence of the step took are released."""
         if len(tables) > self.rows:
+            self.flush()
             self._grow(len(tables))
         seats = np.full(len(tables), -1, np.int64)
         by_first = {}
@@ -139,13 +166,11 @@ class WholeGraph:
                     taken.add(row)
                     break
         free = iter(row for row in range(self.rows) if row not in taken)
-        for row in range(self.rows):
-            if row not in taken:
-                self._tables[row], self._held[row] = None, 0
+        self._release([row for row in range(self.rows) if row not in taken])
         for i, table in enumerate(tables):
             if seats[i] < 0:
                 seats[i] = next(free)
-            self._seat(int(seats[i]), table, int(pasts[i]), pool)
+            self._seat(int(seats[i]), table, int(pasts[i]))
         return seats
 
     def _continues(self, row: int, table: np.ndarray) -> bool:
@@ -156,24 +181,22 @@ class WholeGraph:
         needed = -(-int(self._held[row]) // self.block_size)
         return needed <= min(len(held), len(table)) and np.array_equal(held[:needed], table[:needed])
 
-    def _seat(self, row: int, table: np.ndarray, past: int, pool: np.ndarray) -> None:
+    def _seat(self, row: int, table: np.ndarray, past: int) -> None:
         """Make `row` hold the sequence's first `past` positions, copying from the pool what it lacks."""
-        first = int(self._held[row]) if self._tables[row] is not None and self._continues(row, table) else 0
-        first = min(first, past)
-        for block, offset, start, end in self._spans(table, first, past):
-            self.buffer[:, row, :, start:end] = pool[:, block, :, offset:offset + end - start]
-        self._tables[row], self._held[row] = table, past
-
-    def _store(self, seats: np.ndarray, tables: list[np.ndarray], pasts: np.ndarray, totals: np.ndarray,
-               pool: np.ndarray) -> None:
-        """The step's new keys and values from the buffer into the pool."""
-        size = self.block_size
-        if len(seats) > 1:  # one token each: one scatter
-            blocks = np.array([table[past // size] for table, past in zip(tables, pasts)])
-            pool[:, blocks, :, pasts % size] = self.buffer[:, seats, :, pasts]
+        held = int(self._held[row]) if self._tables[row] is not None and self._continues(row, table) else 0
+        if held == past and past:  # a decode continuing its row: the usual step
+            self._tables[row] = table
             return
-        for block, offset, start, end in self._spans(tables[0], int(pasts[0]), int(totals[0])):
-            pool[:, block, :, offset:offset + end - start] = self.buffer[:, 0, :, start:end]
+        if held < self._held[row] or past < held:
+            self.flush([row])  # what it held past `held` or `past` is dropped: the pool keeps it
+        first = min(held, past)
+        if first < past:
+            self.flush()  # the pool must be current where it is read (another row may hold those blocks)
+            for block, offset, start, end in self._spans(table, first, past):
+                self.buffer[:, row, :, start:end] = self.pool[:, block, :, offset:offset + end - start]
+            self._stored[row] = past
+        self._tables[row], self._held[row] = table, past
+        self._stored[row] = min(self._stored[row], past)
 
     def _spans(self, table: np.ndarray, first: int, end: int):
         """(block, offset in it, first position, end position) of each block-sized run of a

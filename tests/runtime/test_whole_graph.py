@@ -209,6 +209,32 @@ def test_blocks_rewritten_by_the_segments_are_not_read_from_a_row(tiny_llama_eng
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=0)
 
 
+def test_a_flush_gives_the_pool_what_the_segments_would_have_written(tiny_llama_engine):
+    """Decodes on the whole graph leave their keys and values in the rows until something reads
+    the pool; a flush then writes exactly the values the segments write at each step."""
+    engines = [Engine(tiny_llama_engine, kv_pool_mb=4), Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 258, n).tolist() for n in (20, 33, 9)]
+    for engine in engines:
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        for _ in range(14):  # the prompts (one segmented step), then decodes of all three
+            engine.step()
+    whole, segments = engines
+    single = whole.decoder.single
+    assert (single._stored < single._held).any()  # the decodes are in the rows only
+    single.flush()
+    for request in whole.scheduler.running:
+        table = whole.blocks.block_table(request.request_id)
+        assert table == segments.blocks.block_table(request.request_id)
+        positions = request.num_computed
+        assert positions > len(request.prompt_ids) + 8
+        got, want = (e.decoder.pool[:, table].transpose(0, 2, 1, 3, 4) for e in engines)
+        shape = (got.shape[0], got.shape[1], -1, got.shape[-1])  # [parts, kv heads, positions, head dim]
+        np.testing.assert_allclose(got.reshape(shape)[:, :, :positions], want.reshape(shape)[:, :, :positions],
+                                   atol=1e-4, rtol=0)
+
+
 def test_logits_equal_the_segments_path(tiny_llama_engine):
     ids = np.random.default_rng(1).integers(0, 258, 70)
     single = Engine(tiny_llama_engine, kv_pool_mb=4).logits(ids)
