@@ -231,15 +231,20 @@ class Engine:
         block_tables = np.zeros((len(chunks), width), np.int64)
         for row, table in enumerate(tables):
             # Blocks released behind the window are None: the op never reads their entries.
-            block_tables[row, :len(table)] = [0 if block is None else block for block in table]
+            block_tables[row, :len(table)] = [0 if block is None else block for block in table] \
+                if None in table else table
         counts = [c.count for c in chunks]
-        batch = PagedBatch(block_tables, np.array([c.start for c in chunks], np.int64),
-                           np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
-        tokens = np.concatenate([c.request.token_ids[c.start:c.start + c.count] for c in chunks])
-        positions = np.concatenate([np.arange(c.start, c.start + c.count) for c in chunks])
+        starts = np.array([c.start for c in chunks], np.int64)
+        batch = PagedBatch(block_tables, starts, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        if len(chunks) == sum(counts):  # decodes only: a token each
+            tokens = np.array([c.request.token_ids[c.start] for c in chunks], np.int64)
+            positions = starts
+        else:
+            tokens = np.concatenate([c.request.token_ids[c.start:c.start + c.count] for c in chunks]).astype(np.int64)
+            positions = np.concatenate([np.arange(c.start, c.start + c.count) for c in chunks]).astype(np.int64)
         self._utilization_sum += self.blocks.stats.utilization
         self._steps += 1
-        return self.decoder.step(tokens.astype(np.int64), positions.astype(np.int64), batch)
+        return self.decoder.step(tokens, positions, batch)
 
     def _postprocess(self, chunks: list[Chunk], logits: np.ndarray) -> list[RequestOutput]:
         outputs = []

@@ -160,6 +160,7 @@ class Scheduler:
         prefill = self.config.max_prefill_tokens or budget
         self.copies = []
         chunks: list[Chunk] = []
+        scheduled: set[int] = set()  # id() of the requests with a chunk
         preempted, admitted, deferred = False, [], set()
         # Decodes first, then newly admitted prompts, then the chunks of prompts already in
         # prefill: a long prompt is processed in pieces with what budget is left, while short
@@ -170,7 +171,7 @@ class Scheduler:
             order = self.running if decoding else sorted(self.running, key=self._remaining)
             for request in list(order):
                 if request not in self.running or (self._remaining(request) == 1) != decoding \
-                        or any(c.request is request for c in chunks):
+                        or id(request) in scheduled:
                     continue
                 if not decoding and admitted and request.request_id not in self._deferred:
                     # A step that starts new prompts stays short, so their first tokens come
@@ -189,6 +190,7 @@ class Scheduler:
                     preempted = preempted or bool(victims)
                     budget += sum(c.count for c in chunks if c.request in victims)
                     chunks = [c for c in chunks if c.request not in victims]
+                    scheduled.difference_update(id(v) for v in victims)
                     if request in victims:
                         continue
                 count = min(self._remaining(request), budget, 1 if decoding else self._chunk(request, prefill))
@@ -197,11 +199,13 @@ class Scheduler:
                 if count == 0 or sliver:
                     continue  # what other prompts left of the cap: costs more than it advances
                 chunks.append(Chunk(request, request.num_computed, count))
+                scheduled.add(id(request))
                 budget -= count
                 prefill -= 0 if decoding else count
             if decoding and not preempted:
                 admitted = self._admit(min(budget, prefill), now)
                 chunks += admitted
+                scheduled.update(id(c.request) for c in admitted)
                 budget -= sum(c.count for c in admitted)
                 prefill -= sum(c.count for c in admitted)
         self._deferred = deferred

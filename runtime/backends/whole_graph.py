@@ -168,9 +168,10 @@ class WholeGraph:
         free = iter(row for row in range(self.rows) if row not in taken)
         self._release([row for row in range(self.rows) if row not in taken])
         for i, table in enumerate(tables):
-            if seats[i] < 0:
+            continues = seats[i] >= 0
+            if not continues:
                 seats[i] = next(free)
-            self._seat(int(seats[i]), table, int(pasts[i]))
+            self._seat(int(seats[i]), table, int(pasts[i]), continues)
         return seats
 
     def _continues(self, row: int, table: np.ndarray) -> bool:
@@ -179,11 +180,14 @@ class WholeGraph:
         sequence owns it now)."""
         held = self._tables[row]
         needed = -(-int(self._held[row]) // self.block_size)
-        return needed <= min(len(held), len(table)) and np.array_equal(held[:needed], table[:needed])
+        return needed <= min(len(held), len(table)) and bool((held[:needed] == table[:needed]).all())
 
-    def _seat(self, row: int, table: np.ndarray, past: int) -> None:
-        """Make `row` hold the sequence's first `past` positions, copying from the pool what it lacks."""
-        held = int(self._held[row]) if self._tables[row] is not None and self._continues(row, table) else 0
+    def _seat(self, row: int, table: np.ndarray, past: int, continues: bool | None = None) -> None:
+        """Make `row` hold the sequence's first `past` positions, copying from the pool what it
+        lacks; `continues`: whether the row holds the sequence's start, if the caller checked."""
+        if continues is None:
+            continues = self._tables[row] is not None and self._continues(row, table)
+        held = int(self._held[row]) if continues else 0
         if held == past and past:  # a decode continuing its row: the usual step
             self._tables[row] = table
             return
