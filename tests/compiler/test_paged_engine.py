@@ -159,3 +159,32 @@ def test_alternating_windows_and_softcap_compile_paged_and_match_transformers(fa
         want = reference.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                   max_new_tokens=10, min_new_tokens=10)
     assert completion.token_ids == want[0, prompt.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("options", [["--fp16"], ["--weights", "int4", "--force"]])
+def test_only_the_rows_asked_for_are_projected_to_logits_and_they_are_the_same(tiny_llama_onnx, tmp_path, options):
+    import numpy as np
+    import onnx
+
+    from llmc.formats.engine_file import read_engine
+    from llmc.plugins.paged_attention import PagedBatch
+    from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
+
+    engine_path = tmp_path / "engine.plan"
+    result = llmc("compile", tiny_llama_onnx, "-o", engine_path, *options)
+    assert result.exit_code == 0, result.output
+    engine = read_engine(engine_path)
+    paged = engine.manifest.paged
+    for section in (paged.single_sequence, paged.segments[-1].section):
+        graph = onnx.ModelProto.FromString(bytes(engine.sections[section])).graph
+        projection = next(n for n in graph.node if "logits_hidden" in n.input)  # the vocabulary projection
+        assert projection.op_type in ("MatMul", "MatMulNBits"), section
+        assert all(n.op_type != "Gather" or "logits_rows" not in n.input or n.output[0] == "logits_hidden"
+                   for n in graph.node), section
+    ids = np.random.default_rng(0).integers(0, engine.manifest.geometry.vocab_size, 40)
+    batch = PagedBatch(np.arange(3)[None], np.zeros(1, np.int64), np.array([0, len(ids)]))
+    for single_sequence in (True, False):
+        decoder = PagedDecoder(engine, threads=1, kv_pool_mb=4, single_sequence=single_sequence)
+        every = decoder.step(ids, np.arange(len(ids)), batch, rows=np.arange(len(ids)))
+        chosen = decoder.step(ids, np.arange(len(ids)), batch, rows=np.array([7, 39]))
+        np.testing.assert_allclose(chosen, every[[7, 39]], rtol=0, atol=1e-5)
