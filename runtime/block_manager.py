@@ -157,13 +157,17 @@ class BlockManager:
         return seq_id in self._seqs
 
     @property
-    def stats(self) -> BlockStats:
+    def utilization(self) -> float:
+        """Filled slots over the slots of the blocks in use (0 when none is)."""
         slots = self._in_use * self.block_size
+        return self._used_slots / slots if slots else 0.0
+
+    @property
+    def stats(self) -> BlockStats:
         prompt, cached = self._prompt_tokens, self._cached_prompt_tokens
         return BlockStats(
             num_blocks=self.num_blocks, blocks_in_use=self._in_use, free_blocks=self.num_free_blocks,
-            cached_free_blocks=len(self._cached_free),
-            utilization=self._used_slots / slots if slots else 0.0,
+            cached_free_blocks=len(self._cached_free), utilization=self.utilization,
             prompt_tokens=prompt, cached_prompt_tokens=cached,
             prefix_hit_rate=cached / prompt if prompt else 0.0,
             evictions=self._evictions, copies=self._copies)

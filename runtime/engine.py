@@ -32,7 +32,7 @@ from llmc.plugins.paged_attention import PagedBatch
 from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
 from llmc.runtime.contiguous_generation import finish_reason
 from llmc.runtime.detokenizer import IncrementalText
-from llmc.runtime.sampler import sample
+from llmc.runtime.sampler import is_argmax, sample
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk, Request, Scheduler, SchedulerConfig
 from llmc.runtime.block_manager import BlockManager
@@ -233,21 +233,21 @@ class Engine:
             # Blocks released behind the window are None: the op never reads their entries.
             block_tables[row, :len(table)] = [0 if block is None else block for block in table] \
                 if None in table else table
-        counts = [c.count for c in chunks]
         starts = np.array([c.start for c in chunks], np.int64)
-        batch = PagedBatch(block_tables, starts, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
-        if len(chunks) == sum(counts):  # decodes only: a token each
+        if all(c.count == 1 for c in chunks):  # decodes only: a token each
             tokens = np.array([c.request.token_ids[c.start] for c in chunks], np.int64)
-            positions = starts
+            positions, packed = starts, np.arange(len(chunks) + 1)
         else:
             tokens = np.concatenate([c.request.token_ids[c.start:c.start + c.count] for c in chunks]).astype(np.int64)
             positions = np.concatenate([np.arange(c.start, c.start + c.count) for c in chunks]).astype(np.int64)
-        self._utilization_sum += self.blocks.stats.utilization
+            packed = np.concatenate([[0], np.cumsum([c.count for c in chunks])]).astype(np.int64)
+        self._utilization_sum += self.blocks.utilization
         self._steps += 1
-        return self.decoder.step(tokens, positions, batch)
+        return self.decoder.step(tokens, positions, PagedBatch(block_tables, starts, packed))
 
     def _postprocess(self, chunks: list[Chunk], logits: np.ndarray) -> list[RequestOutput]:
         outputs = []
+        best = None  # every row's largest logit, found once for the requests that take it
         for row, chunk in enumerate(chunks):
             request = chunk.request
             try:
@@ -255,7 +255,11 @@ class Engine:
                 self.blocks.mark_computed(request.request_id, request.num_computed)
                 if request.num_computed < len(request.token_ids):
                     continue  # a prefill chunk short of the prompt's end: no token yet
-                token = sample(logits[row], request.params, request.rng, request.prompt_ids, request.output_ids)
+                if is_argmax(request.params):
+                    best = logits.argmax(axis=1) if best is None else best
+                    token = int(best[row])
+                else:
+                    token = sample(logits[row], request.params, request.rng, request.prompt_ids, request.output_ids)
                 request.add_output(token)
                 outputs.append(self._emit(request, token))
             except Exception as error:  # this request fails alone

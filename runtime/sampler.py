@@ -43,6 +43,12 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     return int(rng.choice(probs.size, p=probs))
 
 
+def is_argmax(params: SamplingParams) -> bool:
+    """Whether `sample` picks the row's largest logit for these settings (greedy, no penalty):
+    a step then takes all such rows' tokens in one pass over its logits."""
+    return params.greedy and params.repetition_penalty == 1 and params.presence_penalty == 0
+
+
 def penalized(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int],
               output: Sequence[int]) -> np.ndarray:
     """Logits after the repetition and presence penalties (unchanged when both are off)."""

@@ -168,11 +168,10 @@ class Scheduler:
         for decoding in (True, False):
             # Prompts in prefill continue shortest-remaining first: a short prompt split by the
             # cap finishes before a long one takes the cap again.
-            order = self.running if decoding else sorted(self.running, key=self._remaining)
-            for request in list(order):
-                if request not in self.running or (self._remaining(request) == 1) != decoding \
-                        or id(request) in scheduled:
-                    continue
+            order = [r for r in self.running if (self._remaining(r) == 1) == decoding and id(r) not in scheduled]
+            for request in order if decoding else sorted(order, key=self._remaining):
+                if preempted and request not in self.running:
+                    continue  # preempted by an earlier request of this pass
                 if not decoding and admitted and request.request_id not in self._deferred:
                     # A step that starts new prompts stays short, so their first tokens come
                     # soon; a prompt in prefill sits out such a step, but never two in a row.
