@@ -46,13 +46,17 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
 def is_argmax(params: SamplingParams) -> bool:
     """Whether `sample` picks the row's largest logit for these settings (greedy, no penalty):
     a step then takes all such rows' tokens in one pass over its logits."""
-    return params.greedy and params.repetition_penalty == 1 and params.presence_penalty == 0
+    return params.greedy and not _penalizes(params)
+
+
+def _penalizes(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0
 
 
 def penalized(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int],
               output: Sequence[int]) -> np.ndarray:
     """Logits after the repetition and presence penalties (unchanged when both are off)."""
-    if params.repetition_penalty == 1 and params.presence_penalty == 0:
+    if not _penalizes(params):
         return logits
     logits = logits.astype(np.float64)
     if params.repetition_penalty != 1:

@@ -167,7 +167,7 @@ class WholeGraph:
             continues = seats[i] >= 0
             if not continues:
                 seats[i] = next(free)
-            self._seat(int(seats[i]), np.asarray(table), int(pasts[i]), continues)
+            self._seat(int(seats[i]), table, int(pasts[i]), continues)
         return seats
 
     def _same_as_last(self, tables: np.ndarray, pasts: np.ndarray) -> bool:

@@ -3,11 +3,15 @@ engine token for token."""
 
 import json
 
+import numpy as np
+import onnx
 import pytest
 from click.testing import CliRunner
 
 from llmc.cli import main
-from llmc.formats.engine_file import read_manifest
+from llmc.formats.engine_file import read_engine, read_manifest
+from llmc.plugins.paged_attention import PagedBatch
+from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
 
 PROMPTS = ["def fibonacci(", "import os", "x = [", "while True:"]
 
@@ -163,13 +167,6 @@ def test_alternating_windows_and_softcap_compile_paged_and_match_transformers(fa
 
 @pytest.mark.parametrize("options", [["--fp16"], ["--weights", "int4", "--force"]])
 def test_only_the_rows_asked_for_are_projected_to_logits_and_they_are_the_same(tiny_llama_onnx, tmp_path, options):
-    import numpy as np
-    import onnx
-
-    from llmc.formats.engine_file import read_engine
-    from llmc.plugins.paged_attention import PagedBatch
-    from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
-
     engine_path = tmp_path / "engine.plan"
     result = llmc("compile", tiny_llama_onnx, "-o", engine_path, *options)
     assert result.exit_code == 0, result.output
