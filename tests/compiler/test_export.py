@@ -8,7 +8,7 @@ import torch
 
 from llmc.errors import LlmcError
 from llmc.formats.decoder_interface import recognize_decoder
-from llmc.compiler.export import _FlatDecoder, export, io_names, model_geometry, sample_inputs
+from llmc.compiler.export import _FlatDecoder, _initializer, _ort_value, export, io_names, model_geometry, sample_inputs
 from llmc.formats.onnx_io import with_initializers
 from llmc.models import load_model
 
@@ -27,9 +27,25 @@ def exported(request, tmp_path_factory):
     return loaded, path, check
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_the_parity_check_feeds_each_weight_as_it_is_written(dtype):
+    """The check feeds the weights as onnxruntime values over the bytes the file gets: same type,
+    shape and values (bfloat16 included, which NumPy has no type for)."""
+    tensor = (torch.arange(24, dtype=torch.float32).reshape(2, 3, 4) - 7.5).to(dtype)
+    header, data = _initializer("w", tensor)
+    value = _ort_value(header, data)
+    assert value.shape() == [2, 3, 4]
+    assert value.data_type() == {torch.float32: "tensor(float)", torch.float16: "tensor(float16)",
+                                 torch.bfloat16: "tensor(bfloat16)", torch.int64: "tensor(int64)"}[dtype]
+    assert value.data_ptr() == np.frombuffer(data, np.uint8).ctypes.data  # the written bytes, not a copy
+    if dtype != torch.bfloat16:  # onnxruntime hands no bfloat16 back to NumPy
+        assert torch.equal(torch.from_numpy(value.numpy().copy()), tensor)
+
+
 def test_weights_past_one_protobuf_go_to_a_data_file(monkeypatch, tmp_path):
     """Past the threshold the TorchScript export writes its weights to `<name>.data` (the graph
-    stays small) and the parity check runs on the files; a stale temporary never stays."""
+    stays small) and the parity check runs on the tensors being written; a stale temporary never
+    stays."""
     monkeypatch.setattr("llmc.compiler.export.EXTERNAL_DATA_THRESHOLD", 1000)
     check = export(load_model("tiny-llama"), tmp_path / "model.onnx", exporter="torchscript")
     assert check.max_abs < TOLERANCE

@@ -119,12 +119,22 @@ def test_load_onnx_parses_past_the_weights_and_keeps_everything_else(tmp_path):
     assert loaded.metadata_props == want.metadata_props and loaded.opset_import == want.opset_import
 
 
-def test_save_serialized_appends_metadata_without_parsing(tmp_path):
-    model = _matmul_model(np.ones((64, 32), np.float32))
+def test_save_serialized_appends_tensors_and_metadata_without_parsing(tmp_path):
+    weights = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    model = _matmul_model(weights)
     model.metadata_props.add(key="exporter", value="kept")
+    weightless = onnx.ModelProto()
+    weightless.CopyFrom(model)
+    del weightless.graph.initializer[:]
+    header = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[64, 32])
     (tmp_path / "m.onnx.data").write_bytes(b"stale")
-    onnx_io.save_serialized(model.SerializeToString(), tmp_path / "m.onnx", metadata={"llmc.a": "1", "llmc.b": "2"})
+    onnx_io.save_serialized(weightless.SerializeToString(), [(header, memoryview(weights).cast("B"))],
+                            tmp_path / "m.onnx", metadata={"llmc.a": "1", "llmc.b": "2"})
     saved = onnx.load(str(tmp_path / "m.onnx"))
     assert [(p.key, p.value) for p in saved.metadata_props] == [("exporter", "kept"), ("llmc.a", "1"), ("llmc.b", "2")]
-    assert saved.graph == model.graph
+    assert saved.graph.node == model.graph.node and saved.graph.input == model.graph.input
+    assert [t.name for t in saved.graph.initializer] == ["w"]
+    np.testing.assert_array_equal(numpy_helper.to_array(saved.graph.initializer[0]), weights)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
