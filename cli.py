@@ -385,8 +385,11 @@ def inspect(path, as_json):
 @click.option("--ray", "use_ray", is_flag=True, help="Serve replicas as Ray Serve deployments behind Ray's HTTP proxy "
               "(a local Ray cluster, or RAY_ADDRESS's).")
 @click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: engine replicas.")
+@click.option("--speculative-tokens", type=int, default=None,
+              help="Tokens a step may guess ahead for a greedy request running alone, from its own text "
+              "(prompt lookup; greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
 def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_batched_tokens, max_wait_ms, policy,
-          threads, kv_pool_mb, use_ray, replicas):
+          threads, kv_pool_mb, use_ray, replicas, speculative_tokens):
     """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
     import importlib.util
 
@@ -416,13 +419,15 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
         cores = os.cpu_count() or 1
         app = server_ray.application(str(Path(engine).resolve()), ServerOptions(model_name=name, max_waiting=max_waiting),
                                      scheduler, replicas, cpus_per_replica=cores / replicas,
-                                     threads=threads or max(1, cores // replicas), kv_pool_mb=kv_pool_mb)
+                                     threads=threads or max(1, cores // replicas), kv_pool_mb=kv_pool_mb,
+                                     speculative_tokens=speculative_tokens)
         click.echo(f"serving {name} on http://{host}:{port}/v1 with {replicas} Ray Serve replicas (Ctrl-C or "
                    f"SIGTERM stops)", err=True)
         server_ray.run(app, host, port)
         return
     _share_threads(threads)
-    loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1)
+    loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1,
+                    speculative_tokens=speculative_tokens)
     app = create_app(loaded, ServerOptions(model_name=name, max_waiting=max_waiting))
     click.echo(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops)", err=True)
     run_server(app, host, port)
@@ -443,8 +448,11 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
 @click.option("--seed", type=int, help="Seed for sampling (per request).")
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per completion.")
+@click.option("--speculative-tokens", type=int, default=None,
+              help="Tokens a step may guess ahead for a greedy request running alone, from its own text "
+              "(prompt lookup; greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
 def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
-        presence_penalty, seed, stream, as_json):
+        presence_penalty, seed, stream, as_json, speculative_tokens):
     """Generate completions with an ENGINE file."""
     from llmc.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
@@ -458,7 +466,7 @@ def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p
     for index, prompt in enumerate(prompts):
         _check_prompt_text(prompt, index)
     _share_threads(None)
-    llm = LLM(engine)
+    llm = LLM(engine, speculative_tokens=speculative_tokens)
     for index, prompt in enumerate(prompts):
         llm.encode(prompt, index)  # reject a bad prompt before generating for any
     if stream:
@@ -590,8 +598,11 @@ def _read_prompts(path: Path) -> list[str]:
 @click.option("--url", help="Send the workload to this OpenAI-compatible server (e.g. `llmc serve ENGINE`'s "
               "http://127.0.0.1:8000) as streamed requests instead of running ENGINE here; ENGINE still draws it.")
 @click.option("--model", help="With --url: the model name to ask for (default: the server's first).")
+@click.option("--speculative-tokens", type=int, default=None,
+              help="Tokens a step may guess ahead for a greedy request running alone, from its own text "
+              "(prompt lookup; greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
 def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_len_max, prompts_file, rate, batch,
-          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot, url, model):
+          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot, url, model, speculative_tokens):
     """Serve a synthetic workload with ENGINE (or the server at --url) and report throughput and latency."""
     from llmc.runtime import bench as serving
 
@@ -613,12 +624,14 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
         return
     if model is not None:
         raise LlmcError("--model: only with --url")
+    if speculative_tokens is not None and url is not None:
+        raise LlmcError("--speculative-tokens: not with --url (the server's own option)")
     if plot:
         serving.require_matplotlib()
     _share_threads(threads)
     engine, workload = serving.prepare(_existing(engine_path), spec, prompts=prompts, max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens, threads=threads,
-                                       concurrent=batch != 1)
+                                       concurrent=batch != 1, speculative_tokens=speculative_tokens)
     with click.progressbar(length=sum(r.output_len for r in workload), label="llmc bench", file=sys.stderr) as bar:
         result = serving.run_workload(engine, workload, progress=bar.update, concurrency=batch)
     summary = serving.summarize(result)

@@ -48,17 +48,20 @@ class LLM:
         config: scheduling limits of a paged engine; default from its max batch.
         kv_pool_mb: a paged engine's KV pool in MiB; None: the compiled size or the default rule
             (see `Engine`).
+        speculative_tokens: a paged engine's prompt-lookup guesses per step (see `Engine`).
     """
 
     def __init__(self, engine_path: str | os.PathLike, threads: int | None = None,
-                 config: SchedulerConfig | None = None, kv_pool_mb: float | None = None):
+                 config: SchedulerConfig | None = None, kv_pool_mb: float | None = None,
+                 speculative_tokens: int | None = None):
         engine = load_engine_file(engine_path, verify=False)
         self.path, self.manifest = engine.path, engine.manifest
         self.section_check = SectionCheck(engine)
         with self.section_check.graphs_checked():  # in a thread while the sessions are built
             if engine.manifest.paged is not None:
                 self.engine: Engine | None = Engine(engine, config, threads, kv_pool_mb,
-                                                    section_check=self.section_check)
+                                                    section_check=self.section_check,
+                                                    speculative_tokens=speculative_tokens)
                 self.tokenizer, self.max_seq_len = self.engine.tokenizer, self.engine.max_seq_len
                 self._contiguous = None
             else:

@@ -347,7 +347,7 @@ def plot(result: BenchResult, path: str | Path, title: str = "") -> None:
 
 def prepare(engine_path: str | Path, spec: WorkloadSpec, *, prompts: Sequence[str] | None = None,
             max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-            threads: int | None = None, concurrent: bool = True):
+            threads: int | None = None, concurrent: bool = True, speculative_tokens: int | None = None):
     """Load an engine and draw the workload; returns (engine, workload) for `run_workload`.
 
     Args:
@@ -358,6 +358,7 @@ def prepare(engine_path: str | Path, spec: WorkloadSpec, *, prompts: Sequence[st
         threads: CPU threads for the backend; None uses every core.
         concurrent: requests will overlap (not the `--batch 1` view): the engine builds its
             batched path at load, so no measured step waits for it (`Engine`).
+        speculative_tokens: `Engine`'s; None: the engine's default.
     """
     from llmc.runtime.engine import Engine, SchedulerConfig
 
@@ -366,7 +367,8 @@ def prepare(engine_path: str | Path, spec: WorkloadSpec, *, prompts: Sequence[st
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     config = SchedulerConfig(**limits) if limits else None  # None: the engine's own defaults
-    engine = Engine(engine_path, config=config, threads=threads, concurrent=concurrent)
+    engine = Engine(engine_path, config=config, threads=threads, concurrent=concurrent,
+                    speculative_tokens=speculative_tokens)
     ids = None if prompts is None else [engine.request(p, request_id=str(i)).prompt_ids
                                         for i, p in enumerate(prompts)]
     return engine, make_workload(spec, engine.manifest.geometry.vocab_size, ids)

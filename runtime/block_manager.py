@@ -260,6 +260,21 @@ class BlockManager:
             seq.hashes.append(_chain_hash(parent, seq.tokens[-self.block_size:]))
         return copies
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Drop the sequence's slots from `num_tokens` on (speculative tokens the sampler did not
+        keep), releasing the blocks left empty. Slots already marked computed stay."""
+        seq = self._seq(seq_id)
+        if not isinstance(num_tokens, int) or not seq.computed <= num_tokens <= len(seq.tokens):
+            raise LlmcError(f"block manager: sequence {seq_id!r} holds {len(seq.tokens)} tokens, "
+                            f"{seq.computed} computed; cannot keep {num_tokens!r}")
+        size = self.block_size
+        kept = -(-num_tokens // size)
+        for block in reversed(seq.table[kept:]):
+            self._release(block)
+        del seq.table[kept:], seq.tokens[num_tokens:], seq.hashes[num_tokens // size:]
+        if num_tokens % size:
+            self._set_fill(seq.table[-1], num_tokens % size)
+
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """Record that the sequence's first num_tokens keys and values are now in the pool.
 

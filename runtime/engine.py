@@ -32,11 +32,27 @@ from llmc.plugins.paged_attention import PagedBatch
 from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
 from llmc.runtime.contiguous_generation import finish_reason
 from llmc.runtime.detokenizer import IncrementalText
+from llmc.runtime.prompt_lookup import PromptLookup
 from llmc.runtime.sampler import is_argmax, sample
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk, Request, Scheduler, SchedulerConfig
 from llmc.runtime.block_manager import BlockManager
 from llmc.tokenizer import Tokenizer
+
+# Guesses a step may add (`Engine`'s speculative_tokens): measured in bench/RESULTS.md (speculation).
+SPECULATIVE_TOKENS = 4
+
+
+def default_speculative_tokens(manifest) -> int:
+    """SPECULATIVE_TOKENS for an engine whose linear layers compute in fp32, else 0. A step of
+    several tokens then gives each the logits a step of one would, to float rounding (SmolLM2-135M:
+    5e-5), so greedy outputs stay those of decoding token by token. onnxruntime's int8-compute
+    MatMulNBits (weight-only int4/int8) rounds a several-token product differently from a
+    one-token one (SmolLM2-135M int4: 0.7 on average in the logits, against 8.9 from fp32): greedy
+    outputs would change with how the steps were cut, so there it is the user's choice."""
+    precision = manifest.precision
+    fp32 = precision is None or (not precision.get("fp16") and set(precision.get("linears", {}).values()) <= {"fp32"})
+    return SPECULATIVE_TOKENS if fp32 else 0
 
 
 @dataclass(frozen=True)
@@ -114,12 +130,17 @@ class Engine:
         concurrent: requests are expected to overlap (a server, a throughput benchmark): the
             segments' sessions are built at load, not by the first step of several sequences
             (the CPU backend only; see `PagedDecoder`).
+        speculative_tokens: tokens a step may guess ahead for a greedy request running alone
+            (prompt-lookup decoding, runtime/prompt_lookup.py); the step keeps those greedy
+            decoding picks anyway. 0 turns it off; None: `default_speculative_tokens`.
     """
 
     def __init__(self, engine: str | os.PathLike | EngineFile, config: SchedulerConfig | None = None,
                  threads: int | None = None, kv_pool_mb: float | None = None, *,
                  section_check: SectionCheck | None = None, single_sequence: bool = True,
-                 concurrent: bool = False):
+                 concurrent: bool = False, speculative_tokens: int | None = None):
+        if speculative_tokens is not None and (not isinstance(speculative_tokens, int) or speculative_tokens < 0):
+            raise LlmcError(f"--speculative-tokens: must be an integer ≥ 0, got {speculative_tokens!r}")
         self.section_check = section_check
         if isinstance(engine, EngineFile):
             self._load(engine, threads, kv_pool_mb, single_sequence, concurrent)
@@ -137,6 +158,10 @@ class Engine:
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalText] = {}
         self._utilization_sum, self._steps = 0.0, 0
+        self.speculative_tokens = default_speculative_tokens(self.manifest) if speculative_tokens is None \
+            else speculative_tokens
+        self._lookups: dict[str, PromptLookup] = {}  # requests that may speculate
+        self._drafted = self._accepted = 0
 
     def _load(self, engine: EngineFile, threads: int | None, kv_pool_mb: float | None, single_sequence: bool,
               concurrent: bool) -> None:
@@ -170,6 +195,8 @@ class Engine:
         if request.request_id in self._texts:
             raise LlmcError(f"request {request.request_id}: this id is already in use")
         self._texts[request.request_id] = IncrementalText(self.tokenizer, request.prompt_ids, request.params.stop)
+        if self.speculative_tokens and is_argmax(request.params):
+            self._lookups[request.request_id] = PromptLookup(request.token_ids)
         self.scheduler.add(request)
         return request.request_id
 
@@ -181,6 +208,7 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Cancel a request; returns whether it was still pending."""
         self._texts.pop(request_id, None)
+        self._lookups.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
     def has_unfinished(self) -> bool:
@@ -190,6 +218,11 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        if len(chunks) == 1 and self._lookups:
+            # Alone in its step: a step of one sequence runs the whole graph, which reads the
+            # weights once for all its tokens. Beside others, guesses would send the step to the
+            # segments and cost them more than they save.
+            chunks = [self._with_draft(chunks[0])]
         try:
             logits = self._execute(chunks)
         except Exception as error:  # the requests of this step fail; the others keep running
@@ -220,7 +253,20 @@ class Engine:
     def stats(self) -> dict:
         return {"kv_utilization": self._utilization_sum / self._steps if self._steps else 0.0,
                 "prefix_hit_rate": self.blocks.stats.prefix_hit_rate,
-                "preemptions": self.scheduler.preemptions}
+                "preemptions": self.scheduler.preemptions,
+                "speculative_tokens": self._drafted, "speculative_tokens_kept": self._accepted}
+
+    def _with_draft(self, chunk: Chunk) -> Chunk:
+        """A decode chunk with the guesses of its request's lookup, as many as its output and
+        the engine's positions leave room for after the token the step picks itself."""
+        request = chunk.request
+        lookup = self._lookups.get(request.request_id)
+        if lookup is None or chunk.count != 1 or chunk.start != len(request.token_ids) - 1:
+            return chunk
+        room = min(request.params.max_new_tokens, self.max_seq_len - len(request.prompt_ids)) \
+            - len(request.output_ids) - 1
+        draft = lookup.propose(min(self.speculative_tokens, room, self.config.max_num_batched_tokens - 1))
+        return self.scheduler.with_draft(chunk, draft) if draft else chunk
 
     def _execute(self, chunks: list[Chunk]) -> np.ndarray:
         if self.section_check is not None:
@@ -234,23 +280,32 @@ class Engine:
             block_tables[row, :len(table)] = [0 if block is None else block for block in table] \
                 if None in table else table
         starts = np.array([c.start for c in chunks], np.int64)
+        rows = None  # each chunk's last token
         if all(c.count == 1 for c in chunks):  # decodes only: a token each
             tokens = np.array([c.request.token_ids[c.start] for c in chunks], np.int64)
             positions, packed = starts, np.arange(len(chunks) + 1)
         else:
-            tokens = np.concatenate([c.request.token_ids[c.start:c.start + c.count] for c in chunks]).astype(np.int64)
+            tokens = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
             positions = np.concatenate([np.arange(c.start, c.start + c.count) for c in chunks]).astype(np.int64)
             packed = np.concatenate([[0], np.cumsum([c.count for c in chunks])]).astype(np.int64)
+            if any(c.draft for c in chunks):  # a guess is checked against the logits before it
+                rows = np.concatenate([np.arange(end - 1 - len(c.draft), end) for c, end in zip(chunks, packed[1:])])
         self._utilization_sum += self.blocks.utilization
         self._steps += 1
-        return self.decoder.step(tokens, positions, PagedBatch(block_tables, starts, packed))
+        return self.decoder.step(tokens, positions, PagedBatch(block_tables, starts, packed), rows)
 
     def _postprocess(self, chunks: list[Chunk], logits: np.ndarray) -> list[RequestOutput]:
         outputs = []
         best = None  # every row's largest logit, found once for the requests that take it
-        for row, chunk in enumerate(chunks):
+        row = -1  # the logits row of the chunk's last token
+        for index, chunk in enumerate(chunks):
             request = chunk.request
+            row += 1 + len(chunk.draft)
             try:
+                if chunk.draft:
+                    best = logits.argmax(axis=1) if best is None else best
+                    outputs += self._verify(index, chunk, best[row - len(chunk.draft):row + 1].tolist())
+                    continue
                 request.num_computed += chunk.count
                 self.blocks.mark_computed(request.request_id, request.num_computed)
                 if request.num_computed < len(request.token_ids):
@@ -266,6 +321,28 @@ class Engine:
                 outputs.append(self._fail(request, error))
         return outputs
 
+    def _verify(self, index: int, chunk: Chunk, picks: list[int]) -> list[RequestOutput]:
+        """Keep the guesses greedy decoding picked (`picks`: its token after each of the chunk's
+        tokens) and the token it picked after the last of them; the rest of the step's keys and
+        values, and their blocks, are dropped. One output per token, up to a stop."""
+        request, draft = chunk.request, chunk.draft
+        kept = 0
+        while kept < len(draft) and draft[kept] == picks[kept]:
+            kept += 1
+        self._drafted += len(draft)
+        self._accepted += kept
+        request.num_computed = chunk.start + 1 + kept
+        self.blocks.truncate(request.request_id, request.num_computed)
+        self.decoder.keep(index, request.num_computed)
+        self.blocks.mark_computed(request.request_id, request.num_computed)
+        outputs = []
+        for token in picks[:kept + 1]:
+            request.add_output(token)
+            outputs.append(self._emit(request, token))
+            if outputs[-1].finished:
+                break
+        return outputs
+
     def _emit(self, request: Request, token: int) -> RequestOutput:
         params = request.params
         budget = min(params.max_new_tokens, self.max_seq_len - len(request.prompt_ids))
@@ -277,6 +354,7 @@ class Engine:
             if not stopped:
                 delta += text.flush()
             del self._texts[request.request_id]
+            self._lookups.pop(request.request_id, None)
             self.scheduler.finish(request, reason)
         return RequestOutput(request.request_id, [token], delta, reason is not None, reason)
 

@@ -110,11 +110,17 @@ class Request:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Tokens token_ids[start:start + count] of `request` run in this step."""
+    """Tokens token_ids[start:start + count] of `request` run in this step; with a `draft`, its
+    last len(draft) tokens are those guesses (speculative decoding), not yet the request's."""
 
     request: Request
     start: int
     count: int
+    draft: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.token_ids[self.start:self.start + self.count - len(self.draft)] + list(self.draft)
 
 
 class Scheduler:
@@ -209,6 +215,17 @@ class Scheduler:
                 prefill -= sum(c.count for c in admitted)
         self._deferred = deferred
         return chunks
+
+    def with_draft(self, chunk: Chunk, draft: list[int]) -> Chunk:
+        """A decode `chunk` with as much of `draft` as free blocks allow, its slots held: taken
+        from free blocks only, never by preempting (a guess is worth no one's recomputation)."""
+        request, taken = chunk.request, 0
+        for token in draft:
+            if not self.blocks.can_append(request.request_id):
+                break
+            self.copies += self.blocks.append_slot(request.request_id, token)
+            taken += 1
+        return Chunk(request, chunk.start, chunk.count + taken, tuple(draft[:taken])) if taken else chunk
 
     def _chunk(self, request: Request, prefill: int) -> int:
         """Prompt tokens a request in prefill may run now. Beside other requests, a chunk's

@@ -50,6 +50,13 @@ def test_run_json_matches_python_api(tiny_llama_engine):
     assert all(len(r["token_ids"]) == 12 and r["finish_reason"] == "length" for r in records)
 
 
+def test_run_without_speculation_gives_the_same_tokens(tiny_llama_engine):
+    runs = [llmc("run", tiny_llama_engine, "--prompt", "abcabcabc", "--max-new-tokens", 24, "--json", *option)
+            for option in ([], ["--speculative-tokens", "0"], ["--speculative-tokens", "7"])]
+    assert all(r.exit_code == 0 for r in runs), [r.stderr for r in runs]
+    assert len({r.stdout for r in runs}) == 1
+
+
 def test_stream_json_gives_the_same_tokens(tiny_llama_engine):
     plain = json.loads(llmc("run", tiny_llama_engine, "--prompt", "abc", "--max-new-tokens", 8,
                             "--json").stdout)
@@ -191,6 +198,7 @@ def test_run_prompt_longer_than_positions(tiny_llama_engine):
     ("--top-p", "1.5", "top_p must be in (0, 1]"),
     ("--top-k", "-2", "top_k must be an integer ≥ 0"),
     ("--max-new-tokens", "0", "max_new_tokens must be an integer ≥ 1"),
+    ("--speculative-tokens", "-1", "--speculative-tokens: must be an integer ≥ 0, got -1"),
 ])
 def test_run_invalid_sampling_option(tiny_llama_engine, option, value, message):
     assert_refused(llmc("run", tiny_llama_engine, "--prompt", "a", option, value), message)

@@ -151,6 +151,7 @@ class PagedDecoder:
                       for layer in range(geometry.num_layers) for i, part in enumerate(("key", "value"))}
         self.single = None if single is None else WholeGraph(
             single, self.pool, paged.max_seq_len, paged.block_size, paged.max_batch, allocate_pool, eager=any(self.windows))
+        self._whole = False  # whether the last step ran on the whole graph
 
     def _open(self, section: str):
         """A session over one of the engine's graph sections, its weights mapped from the file."""
@@ -184,9 +185,10 @@ class PagedDecoder:
         """Run one packed step; stores its keys and values; returns the logits of the packed
         `rows` (default: each sequence's last token)."""
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
+        self._whole = self.single is not None and self.single.runs(batch, len(tokens))
+        if self._whole:
+            return self.single.step(tokens, positions, batch, rows)
         if self.single is not None:
-            if self.single.runs(batch, len(tokens)):
-                return self.single.step(tokens, positions, batch, rows)
             self.single.flush()  # the segments read the pool
         attention, sessions = self._segmented()
         layout = attention.layout(batch, self.windows)
@@ -213,6 +215,14 @@ class PagedDecoder:
         for pool, new in stores:
             attention.store(pool, new, blocks, offsets)
         return values["logits"][0]
+
+    def keep(self, sequence: int, length: int) -> None:
+        """Of the last step's `sequence` (its index in the batch), only the first `length`
+        positions are the sequence's: the rest were speculative tokens the sampler did not keep,
+        and their blocks may go to other sequences. The segments wrote them into the pool during
+        the step, where they are never read; the whole graph must not write them back later."""
+        if self._whole:
+            self.single.keep(sequence, length)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: pool block `src` into `dst` for each pair, in every pool."""

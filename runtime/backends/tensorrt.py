@@ -114,6 +114,10 @@ class TensorRTDecoder:
         self._outputs = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)
                          if self._engine.get_tensor_mode(self._engine.get_tensor_name(i)) == trt.TensorIOMode.OUTPUT]
 
+    def keep(self, sequence: int, length: int) -> None:
+        """Speculative tokens not kept: the step wrote them into the pool, where nothing reads
+        them (see `PagedDecoder.keep`); nothing to undo."""
+
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
              rows: np.ndarray | None = None) -> np.ndarray:
         """Run one packed step; stores its keys and values; returns the logits of the packed

@@ -89,6 +89,13 @@ class WholeGraph:
                     self.pool[:, block, :, offset:offset + end - start] = self.buffer[:, row, :, start:end]
                 self._stored[row] = held
 
+    def keep(self, sequence: int, length: int) -> None:
+        """The last step's `sequence` is its first `length` positions: its row drops the rest
+        unwritten (speculative tokens not kept, whose blocks are no longer the sequence's)."""
+        row = int(self._seated[sequence])
+        self._held[row] = min(self._held[row], length)
+        self._stored[row] = min(self._stored[row], length)
+
     def written(self, blocks: np.ndarray) -> None:
         """Pool `blocks` were written another way (the caller flushed first): each row keeps only
         what lies before them."""
@@ -130,6 +137,7 @@ class WholeGraph:
         for seat, table in zip(seats.tolist(), tables):
             self._tables[seat] = table
         self._held[seats] = totals
+        self._seated = seats
         self._last = (seats, tables) if batch.num_seqs > 1 else None
         if self.eager:
             self.flush(seats)

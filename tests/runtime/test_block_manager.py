@@ -211,6 +211,26 @@ def test_can_append():
     assert manager.num_tokens("b") == 2
 
 
+def test_truncate_gives_back_the_blocks_of_guesses_not_kept():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    manager.allocate("a", [1, 2, 3])
+    manager.mark_computed("a", 3)
+    for token in (4, 5, 6, 7, 8, 9):  # guesses: the first block full, a second, a third begun
+        manager.append_slot("a", token)
+    assert manager.num_tokens("a") == 9 and manager.num_free_blocks == 3
+    manager.truncate("a", 5)  # one guess kept
+    assert manager.num_tokens("a") == 5 and len(manager.block_table("a")) == 2
+    assert manager.num_free_blocks == 4 and manager.utilization == 5 / 8
+    with pytest.raises(LlmcError, match="sequence 'a' holds 5 tokens, 3 computed; cannot keep 2"):
+        manager.truncate("a", 2)  # computed slots stay
+    with pytest.raises(LlmcError, match="cannot keep 6"):
+        manager.truncate("a", 6)
+    for token in (16, 17, 18):  # what came instead of the guesses fills the second block
+        manager.append_slot("a", token)
+    manager.mark_computed("a", 8)
+    assert manager.allocate("b", [1, 2, 3, 4, 5, 16, 17, 18, 99]) == 8  # cached under its own tokens
+
+
 def test_bad_inputs():
     with pytest.raises(LlmcError, match="num_blocks must be an integer ≥ 1"):
         BlockManager(0, 4)
@@ -312,6 +332,31 @@ class RandomRequests(RuleBasedStateMachine):
                 self.pool[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = tuple(tokens[: p + 1])
             self.written[seq] = len(tokens)
             self.manager.mark_computed(seq, len(tokens))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), draft=st.lists(TOKENS, min_size=1, max_size=6))
+    def speculate(self, data, draft):
+        """A step with guesses after a sequence's tokens (slots held for them, their keys and
+        values written), then only the guesses the sampler kept stay."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        guessed = []
+        for token in draft:
+            if not self.manager.can_append(seq):
+                break
+            for src, dst in self.manager.append_slot(seq, token):
+                for offset in range(BLOCK_SIZE):
+                    if (src, offset) in self.pool:
+                        self.pool[dst, offset] = self.pool[src, offset]
+            guessed.append(token)
+        tokens, table = self.tokens[seq] + guessed, self.manager.block_table(seq)
+        for p in range(self.written[seq], len(tokens)):
+            self.pool[table[p // BLOCK_SIZE], p % BLOCK_SIZE] = tuple(tokens[: p + 1])
+        kept = data.draw(st.integers(0, len(guessed)))
+        self.manager.truncate(seq, len(self.tokens[seq]) + kept)
+        self.tokens[seq] += guessed[:kept]
+        self.written[seq] = len(self.tokens[seq])
+        self.manager.mark_computed(seq, len(self.tokens[seq]))
+        assert self.manager.num_tokens(seq) == len(self.tokens[seq])
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

@@ -131,9 +131,10 @@ def run_traffic(engine: Engine) -> list[list[int]]:
 
 def test_switching_paths_makes_the_tokens_of_the_segments_alone(tiny_llama_engine):
     assert read_manifest(tiny_llama_engine)["paged"]["single_sequence"] == "single_sequence.onnx"
-    switching = Engine(tiny_llama_engine, kv_pool_mb=4)
+    # One token a step (no speculation): the count of whole-graph steps below is the steps'.
+    switching = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=0)
     assert switching.decoder._sessions is None  # not built until a step holds two sequences
-    segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)
+    segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False, speculative_tokens=0)
     assert segments.decoder.single is None
     both = Engine(tiny_llama_engine, kv_pool_mb=4, concurrent=True)  # a server's: both paths built at load
     assert both.decoder.single is not None and both.decoder._sessions is not None

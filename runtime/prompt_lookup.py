@@ -1,0 +1,52 @@
+"""Draft tokens for speculative decoding, looked up in the sequence's own tokens.
+
+Prompt-lookup decoding: text often repeats what came before it (a summary quotes its source, code
+edits copy code, an answer repeats names, a stuck model loops), so the tokens that followed the
+latest earlier occurrence of the sequence's last n tokens are a cheap guess of what comes next.
+The engine runs the guess as extra tokens of the sequence's step and keeps the longest prefix that
+greedy decoding would have produced anyway (engine.py), so outputs do not change; a decode step
+reads every weight once however many tokens it holds, so each accepted guess is a token almost
+for free. No draft model, nothing to train.
+"""
+
+from __future__ import annotations
+
+# n-gram lengths tried, longest first. A single token's last occurrence guesses poorly on real
+# text (bench/RESULTS.md, speculation), and a rejected draft makes its step dearer.
+MAX_NGRAM, MIN_NGRAM = 3, 2
+
+
+class PromptLookup:
+    """The n-grams of one sequence, indexed as it grows.
+
+    Args:
+        tokens: the sequence's tokens (prompt then output), a list the caller grows in place.
+    """
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+        self._latest: dict[tuple[int, ...], int] = {}  # n-gram → where the token after its latest occurrence is
+        self._indexed = 0  # n-grams followed by a token before this position are in _latest
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` tokens that may come next (none when the last n tokens never occurred
+        before). Where the occurrence runs into the sequence's end, the draft continues from its
+        own start, as a loop would."""
+        tokens = self.tokens
+        end = len(tokens)
+        if limit < 1:
+            return []
+        for position in range(self._indexed + 1, end):  # n-grams with a token after them
+            for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+                if position >= n:
+                    self._latest[tuple(tokens[position - n:position])] = position
+        self._indexed = max(self._indexed, end - 1)
+        for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+            follows = self._latest.get(tuple(tokens[end - n:])) if end >= n else None
+            if follows is not None:
+                draft: list[int] = []
+                for i in range(limit):
+                    at = follows + i
+                    draft.append(tokens[at] if at < end else draft[at - end])
+                return draft
+        return []

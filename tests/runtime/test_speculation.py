@@ -1,0 +1,129 @@
+"""Prompt-lookup speculative decoding: guesses from a sequence's own tokens, kept only where greedy
+decoding picks them, so outputs equal decoding one token a step."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmc.errors import LlmcError
+from llmc.runtime.engine import SPECULATIVE_TOKENS, Engine, default_speculative_tokens
+from llmc.runtime.prompt_lookup import MAX_NGRAM, MIN_NGRAM, PromptLookup
+from llmc.runtime.sampling_params import SamplingParams
+
+
+def scanned_draft(tokens: list[int], limit: int) -> list[int]:
+    """The reference: scan back for the latest earlier occurrence of the longest suffix n-gram,
+    then copy what follows it, reading the draft itself past the end."""
+    for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+        if len(tokens) <= n:
+            continue
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                extended = list(tokens)
+                for i in range(limit):
+                    extended.append(extended[start + n + i])
+                return extended[len(tokens):]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6), st.integers(0, 6))
+def test_a_lookup_grown_in_place_drafts_what_a_scan_finds(pieces, limit):
+    tokens: list[int] = []
+    lookup = PromptLookup(tokens)
+    for piece in pieces:
+        tokens += piece  # the request's list, grown in place
+        assert lookup.propose(limit) == scanned_draft(tokens, limit)
+
+
+def test_a_loop_is_continued_past_the_end():
+    assert PromptLookup([5, 1, 2, 1, 2, 1, 2]).propose(5) == [1, 2, 1, 2, 1]
+    assert PromptLookup([9, 9, 9]).propose(3) == [9, 9, 9]
+    assert PromptLookup([1, 2, 3, 4]).propose(3) == []  # nothing repeats
+
+
+def looping_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    phrase = rng.integers(3, 258, 7).tolist()
+    return [phrase * 6, rng.integers(3, 258, 30).tolist(), phrase * 3 + rng.integers(3, 258, 9).tolist()]
+
+
+def generate(engine: Engine, prompts, params: SamplingParams) -> list[tuple]:
+    """(token ids, text, finish reason) of each prompt, run one after another (each alone)."""
+    results = []
+    for prompt in prompts:
+        request = engine.add_request(prompt, params)
+        tokens, text, reason = [], "", None
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.request_id == request
+                tokens += out.new_token_ids
+                text += out.text
+                reason = out.finish_reason or reason
+        results.append((tokens, text, reason))
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # nothing held after
+    return results
+
+
+@pytest.mark.parametrize("single_sequence", [True, False], ids=["whole-graph", "segments"])
+def test_speculation_keeps_the_greedy_outputs_in_fewer_steps(tiny_llama_engine, single_sequence):
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    plain = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=0, single_sequence=single_sequence)
+    guessing = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=4, single_sequence=single_sequence)
+    want = generate(plain, looping_prompts(), params)
+    assert generate(guessing, looping_prompts(), params) == want
+    stats = guessing.stats
+    assert 0 < stats["speculative_tokens_kept"] < stats["speculative_tokens"]  # guesses kept, and some not
+    assert guessing._steps < plain._steps - stats["speculative_tokens_kept"] // 2
+    assert plain.stats["speculative_tokens"] == 0
+
+
+def test_a_stop_inside_the_guesses_ends_where_one_token_a_step_does(tiny_llama_engine):
+    plain = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=0)
+    guessing = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=6)
+    prompt = looping_prompts()[:1]
+    (tokens, text, _), = generate(plain, prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for params in (SamplingParams(max_new_tokens=13, ignore_eos=True),
+                   SamplingParams(max_new_tokens=40, stop_token_ids=(tokens[9],), ignore_eos=True),
+                   SamplingParams(max_new_tokens=40, stop=(text[11:13],), ignore_eos=True)):
+        want = generate(plain, prompt, params)
+        assert len(want[0][0]) < 40  # it stopped early
+        assert generate(guessing, prompt, params) == want
+    assert guessing.stats["speculative_tokens_kept"] > 0
+
+
+def test_guesses_not_kept_never_reach_the_pool_from_the_whole_graph(tiny_llama_engine):
+    """The whole graph writes a sequence's keys and values back into the pool late: the rows must
+    forget the guesses that were not kept, whose blocks went back to the free list (and whose
+    slots in the sequence's last block come next)."""
+    engine = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=4)
+    request = engine.add_request(looping_prompts()[2], SamplingParams(max_new_tokens=60, ignore_eos=True))
+    while engine.stats["speculative_tokens_kept"] == engine.stats["speculative_tokens"] or \
+            engine.scheduler.running[0].num_computed % engine.blocks.block_size == 0:
+        engine.step()  # until a guess was turned down, and the last block is partly filled
+    engine.decoder.single.flush()
+    pool, table = engine.decoder.pool, engine.blocks.block_table(request)
+    computed = engine.scheduler.running[0].num_computed
+    free = engine.blocks.free_block_ids()
+    assert not pool[:, free].any()  # never written: a zeroed pool
+    assert not pool[:, table[-1], :, computed % engine.blocks.block_size:].any()
+    assert pool[:, table[-1], :, :computed % engine.blocks.block_size].any()
+
+
+def test_a_negative_count_of_guesses_is_refused(tiny_llama_engine):
+    with pytest.raises(LlmcError, match="--speculative-tokens: must be an integer ≥ 0, got -1"):
+        Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=-1)
+
+
+def test_guessing_is_on_by_default_only_where_linears_compute_in_fp32(tiny_llama_engine):
+    """Elsewhere a step of several tokens rounds differently from a step of one (onnxruntime's
+    int8-compute MatMulNBits), so greedy outputs would depend on how steps were cut."""
+    assert Engine(tiny_llama_engine, kv_pool_mb=4).speculative_tokens == SPECULATIVE_TOKENS > 0
+    for precision, on in ((None, True), ({"fp16": False, "linears": {"a": "fp32", "b": "fp32"}}, True),
+                          ({"fp16": True, "linears": {"a": "fp16"}}, False),
+                          ({"fp16": False, "linears": {"a": "int4", "b": "fp32"}}, False),
+                          ({"fp16": False, "linears": {"a": "int8"}}, False)):
+        assert default_speculative_tokens(SimpleNamespace(precision=precision)) == (SPECULATIVE_TOKENS if on else 0)
