@@ -25,6 +25,15 @@ alternating too), so that both see the same machine; each uses 2 threads (`--thr
                       after every request has its first token ÷ the time from then to the last
   int4 runs           the same load, warm-up and batch-1 decode on the int4 builds (genai's int4
                       build beside each of llmc's two)
+  one token a step    llmc's fp32 runs repeat the batch-1 decode with speculation off (an fp32
+                      engine guesses tokens from the sequence's own text by default: runtime/
+                      prompt_lookup.py); random prompts make a model loop, which guesses well
+  real text           SmolLM2 only: 12 chat prompts (the model's template) asking about, rewriting
+                      or summarizing pieces of Python's source (data/pystdlib-text/heldout) or
+                      asking general questions, greedy, up to 128 new tokens, stopping at EOS; one
+                      at a time. Decode rate over all of them (tokens after each first ÷ their
+                      time), llmc with and without speculation; and how many of the 12 outputs are
+                      token for token genai's
 
 Prompts are fresh random token ids in every request and run (ids ≥ 260, no special tokens; no
 prefix can be cached), EOS ignored (llmc: ignore_eos; genai: min_length = max_length). Rates and
@@ -79,6 +88,7 @@ FULL = Sizes(prompt=128, new_tokens=128, long_prompt=2048, batch=16, reps=3)
 QUICK = Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=2)
 # SmolLM2 decodes ~5x slower: 64 new tokens, as in the issue's table.
 FULL_SMOLLM2 = dataclasses.replace(FULL, new_tokens=64)
+TEXT_TOKENS = 128  # new tokens at most per real-text prompt
 
 
 def _spec(quick: bool):
@@ -123,6 +133,20 @@ class _LlmcRunner:
         self.engine = Engine(path, threads=threads)
         self.vocab = self.engine.manifest.geometry.vocab_size
 
+    def complete(self, prompt: list[int], new_tokens: int) -> tuple[list[float], list[int]]:
+        """One greedy completion stopping at EOS: each token's time, and the tokens."""
+        from llmc.runtime.sampling_params import SamplingParams
+
+        self.engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens))
+        times, tokens = [], []
+        while self.engine.has_unfinished():
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                times += [now] * len(output.new_token_ids)
+                tokens += output.new_token_ids
+        return times, tokens
+
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[float]]]:
         from llmc.runtime.sampling_params import SamplingParams
 
@@ -152,6 +176,20 @@ class _GenaiRunner:
             "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
         self.model = og.Model(config)
         self.vocab = json.loads((Path(path) / "genai_config.json").read_text())["model"]["vocab_size"]
+
+    def complete(self, prompt: list[int], new_tokens: int) -> tuple[list[float], list[int]]:
+        import numpy as np
+
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False, batch_size=1)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.array([prompt], dtype=np.int32))
+        times, tokens = [], []
+        while not generator.is_done():
+            generator.generate_next_token()
+            times.append(time.perf_counter())
+            tokens.append(int(generator.get_next_tokens()[0]))
+        return times, tokens
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[float]]]:
         import numpy as np
@@ -186,6 +224,13 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), 4)  # warm-up, not measured
     start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
     out.update(_rates(start, times))
+    if job["system"] == "llmc" and job.get("one_token_a_step"):
+        default, runner.engine.speculative_tokens = runner.engine.speculative_tokens, 0
+        start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
+        out["plain_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
+        runner.engine.speculative_tokens = default
+    if job.get("texts"):
+        out.update(_real_text(runner, job))
     if job.get("long_prompt"):
         cold = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
         warm = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
@@ -196,6 +241,46 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
         out["batch_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
     out["peak_rss_mib"] = _rss_mib("VmHWM")
     return out
+
+
+def _real_text(runner, job: dict[str, Any]) -> dict[str, Any]:
+    """The real-text prompts one at a time (llmc: with its default speculation, then without)."""
+    out: dict[str, Any] = {}
+    passes = [("text", None), ("plain_text", 0)] if job["system"] == "llmc" else [("text", None)]
+    for name, speculative in passes:
+        if speculative is not None:
+            runner.engine.speculative_tokens = speculative
+        made, seconds, outputs = 0, 0.0, []
+        for prompt in job["texts"]:
+            times, tokens = runner.complete(prompt, job["text_tokens"])
+            made, seconds = made + len(times) - 1, seconds + times[-1] - times[0]
+            outputs.append(tokens)
+        out[f"{name}_decode_tok_s"] = round(made / seconds, 2) if seconds else None
+        out[f"{name}_outputs"] = outputs
+    return out
+
+
+def text_prompts(checkpoint: Path) -> list[list[int]]:
+    """The real-text prompts, in the model's chat template, as token ids (both systems get these)."""
+    import numpy as np
+
+    from llmc.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(checkpoint)
+    source = (ROOT / "data" / "pystdlib-text" / "heldout" / "heldout.txt").read_text().splitlines()
+    rng = np.random.default_rng(1)
+    prompts = []
+    for task, about_source in (("Explain briefly what this Python code does:", True),
+                               ("Rewrite this Python code with clearer variable names:", True),
+                               ("Summarize this in two sentences:", True),
+                               ("Give three tips for writing readable Python code.", False),
+                               ("What is the difference between a list and a tuple in Python?", False),
+                               ("Write a short poem about the sea.", False)):
+        for _ in range(2):
+            at = int(rng.integers(0, len(source) - 30))
+            text = task + "\n\n" + "\n".join(source[at:at + 30]) if about_source else task
+            prompts.append(tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}])))
+    return prompts
 
 
 def spawn(job: dict[str, Any]) -> dict[str, Any]:
@@ -334,6 +419,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model["llmc_pool_mib"] = {p: pool_mib(built["paths"]["llmc"][p]) for p in precisions}
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {p: [] for p in PRECISIONS} for s in ("llmc", "genai")}
+    texts = text_prompts(checkpoint) if args.model == "smollm2" and not args.quick else None
     seed = args.seed
     for rep in range(reps):
         for precision in precisions:
@@ -343,17 +429,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 job = {"system": system, "path": str(built["paths"][system][precision]), "threads": args.threads,
                        "seed": seed, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens}
                 if precision == "fp32":
-                    job.update(long_prompt=sizes.long_prompt, batch=sizes.batch)
+                    job.update(long_prompt=sizes.long_prompt, batch=sizes.batch, one_token_a_step=True)
+                    if texts:
+                        job.update(texts=texts, text_tokens=TEXT_TOKENS)
                 result = spawn(job)
                 runs[system][precision].append(result)
                 log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
-                    f"{k} {v}" for k, v in result.items()))
+                    f"{k} {v}" for k, v in result.items() if not k.endswith("_outputs")))
 
     def med(system: str, precision: str, key: str) -> float | None:
         return _median([r.get(key) for r in runs[system][precision]])
 
-    rows = [  # (label, key, precision, higher is better)
+    rows = [  # (label, key, precision, higher is better, genai's key if not the same)
         ("decode, batch 1, fp32 (tok/s)", "decode_tok_s", "fp32", True),
+        ("decode, batch 1, fp32, llmc one token a step (tok/s)", "plain_decode_tok_s", "fp32", True, "decode_tok_s"),
         ("decode, batch 1, int4 weight-only (tok/s)", "decode_tok_s", "int4", True),
         ("decode, batch 1, int4 in genai's scheme: symmetric, int4 lm_head (tok/s)", "decode_tok_s", "int4-sym", True),
         (f"decode, static batch of {sizes.batch} (tok/s)", "batch_decode_tok_s", "fp32", True),
@@ -362,12 +451,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("load + first token (s)", "load_first_token_s", "fp32", False),
         ("resident memory after load, fp32 (MiB)", "rss_after_load_mib", "fp32", False),
     ]
+    if texts:
+        rows += [("decode on real text (chat), batch 1, fp32 (tok/s)", "text_decode_tok_s", "fp32", True),
+                 ("decode on real text (chat), batch 1, fp32, llmc one token a step (tok/s)", "plain_text_decode_tok_s",
+                  "fp32", True, "text_decode_tok_s")]
     table = []
-    for label, key, precision, higher in rows:
-        mine, theirs = med("llmc", precision, key), med("genai", precision, key)
+    for label, key, precision, higher, *genai_key in rows:
+        mine, theirs = med("llmc", precision, key), med("genai", precision, (genai_key or [key])[0])
         ratio = round(mine / theirs, 2) if mine and theirs else None
         table.append({"measure": label, "key": key, "precision": precision, "llmc": mine, "genai": theirs,
                       "ratio": ratio, "higher_is_better": higher})
+    agreement = _agreement(runs) if texts else None
     s = built["seconds"]
     for label, mine, theirs in (
             ("build: llmc export + compile vs genai builder, fp32 (s)",
@@ -385,12 +479,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - _START, 1),
         "command": " ".join(["python", "bench/latency_bench.py", *sys.argv[1:]]),
         "sizes": dataclasses.asdict(sizes), "model": model, "build_s": built["seconds"],
-        "table": table, "runs": runs, "build_errors": built["errors"],
+        "table": table, "runs": runs, "build_errors": built["errors"], "real_text_agreement": agreement,
         "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(),
                     "loadavg_start": [round(x, 2) for x in load_start],
                     "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
         "versions": _versions(), "git": _git_state(),
     }
+
+
+def _agreement(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
+    """Of the real-text outputs of the first fp32 runs: how many are token for token genai's, and
+    how many llmc's speculation left as they were one token a step."""
+    llmc, genai = runs["llmc"]["fp32"][0], runs["genai"]["fp32"][0]
+    pairs = list(zip(llmc["text_outputs"], genai["text_outputs"]))
+    return {"prompts": len(pairs), "same_as_genai": sum(a == b for a, b in pairs),
+            "speculation_unchanged": sum(a == b for a, b in zip(llmc["text_outputs"], llmc["plain_text_outputs"])),
+            "llmc_tokens": sum(len(a) for a, _ in pairs), "genai_tokens": sum(len(b) for _, b in pairs)}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -427,6 +531,11 @@ def render(result: dict[str, Any]) -> str:
     b = result["build_s"]
     lines += ["", f"build steps (s): llmc export {b['llmc_export']}, compile {b['llmc_compile']}, compile int4 "
                   f"{b['llmc_compile_int4']}, compile int4 in genai's scheme {b['llmc_compile_int4_sym']}; genai builder {b['genai_builder']}, int4 {b['genai_builder_int4']}"]
+    agreement = result.get("real_text_agreement")
+    if agreement:
+        lines.append(f"real text: {agreement['same_as_genai']} of {agreement['prompts']} greedy outputs token for "
+                     f"token genai's ({agreement['llmc_tokens']} vs {agreement['genai_tokens']} tokens); speculation "
+                     f"left {agreement['speculation_unchanged']} of {agreement['prompts']} unchanged")
     peak = {s: _median([r["peak_rss_mib"] for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
     lines.append(f"peak resident (VmHWM) of an fp32 run (MiB): llmc {peak['llmc']}, genai {peak['genai']}")
     lines += [f"FAILED build: {what}: {error}" for what, error in result["build_errors"].items()]
