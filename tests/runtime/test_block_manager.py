@@ -318,11 +318,15 @@ class RandomRequests(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         if not self.manager.can_append(seq):
             return
+        self._append_slot(seq, token)
+        self.tokens[seq].append(token)
+
+    def _append_slot(self, seq, token):
+        """A slot for `token`, with the copies it asks for performed on the simulated pool."""
         for src, dst in self.manager.append_slot(seq, token):
             for offset in range(BLOCK_SIZE):
                 if (src, offset) in self.pool:
                     self.pool[dst, offset] = self.pool[src, offset]
-        self.tokens[seq].append(token)
 
     @rule()
     def step(self):
@@ -343,10 +347,7 @@ class RandomRequests(RuleBasedStateMachine):
         for token in draft:
             if not self.manager.can_append(seq):
                 break
-            for src, dst in self.manager.append_slot(seq, token):
-                for offset in range(BLOCK_SIZE):
-                    if (src, offset) in self.pool:
-                        self.pool[dst, offset] = self.pool[src, offset]
+            self._append_slot(seq, token)
             guessed.append(token)
         tokens, table = self.tokens[seq] + guessed, self.manager.block_table(seq)
         for p in range(self.written[seq], len(tokens)):
