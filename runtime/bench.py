@@ -254,6 +254,9 @@ def summarize(result: BenchResult) -> dict:
         "kv_utilization": stats.get("kv_utilization"),
         "prefix_hit_rate": stats.get("prefix_hit_rate"),
         "preemptions": stats.get("preemptions"),
+        # Guesses made and kept by speculative decoding (random prompts loop, and loops guess well).
+        "speculative_tokens": stats.get("speculative_tokens"),
+        "speculative_tokens_kept": stats.get("speculative_tokens_kept"),
         "steps": len(result.step_end_s),
     }
     if result.concurrency is not None:

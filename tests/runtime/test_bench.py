@@ -207,6 +207,9 @@ def test_cli_batch_1_percentiles(tiny_llama_engine):
     for metric in ("ttft_ms", "tpot_ms"):
         assert 0 <= summary[f"{metric}_p50"] <= summary[f"{metric}_p90"] <= summary[f"{metric}_p99"]
     assert summary["decode_tok_s"] > 0 and summary["preemptions"] == 0
+    assert 0 <= summary["speculative_tokens_kept"] <= summary["speculative_tokens"]
+    plain = bench_json(tiny_llama_engine, *MIXED, "--batch", 1, "--speculative-tokens", 0)
+    assert plain["speculative_tokens"] == 0 and plain["output_tokens"] == summary["output_tokens"]
     text = llmc("bench", tiny_llama_engine, "--requests", 2, "--prompt-len", 4, "--output-len", 3, "--batch", 1).stdout
     assert "decode_tok_s" in text and "ttft_ms_p90" in text
 
