@@ -11,7 +11,9 @@ performs the block copies the block manager asked for, and stores the step's new
 in the pool; postprocess samples for every request whose prompt (or last token) is now fully
 computed, turns tokens into text incrementally, applies stop conditions and releases finished
 requests' blocks. A step that raises fails the requests it held (their outputs carry the error)
-and frees their blocks; the engine keeps serving the others.
+and frees their blocks; the engine keeps serving the others. A greedy request alone in its step
+carries guesses of its next tokens (runtime/prompt_lookup.py): postprocess keeps those greedy
+decoding picks, one output per token, and gives back the slots of the rest.
 
 Not thread-safe: one thread at a time may call it (AsyncEngine queues adds and aborts to the
 thread that steps).
