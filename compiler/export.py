@@ -397,7 +397,7 @@ def check_parity(model: torch.nn.Module, onnx_model: str | os.PathLike | bytes, 
         model: the PyTorch model.
         onnx_model: its export: an ONNX file, or a serialized model (with its weights inline,
             or without those given as `weights`).
-        weights: initializers the serialized model leaves out (as `onnx_io.with_initializers`
+        weights: initializers the serialized model leaves out (as `onnx_io.save_serialized`
             takes them). They are fed as inputs from where they are: onnxruntime copies
             initializers while building a session (SmolLM2-135M's: 1.5-2.9 s), never inputs.
     """

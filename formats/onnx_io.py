@@ -167,17 +167,12 @@ def _varint(data, at: int) -> tuple[int, int]:
         shift += 7
 
 
-def with_initializers(model: bytes, tensors: Sequence[tuple[onnx.TensorProto, memoryview]]) -> bytes:
-    """A serialized ModelProto with initializers added to its graph, each a TensorProto header
-    (name, type, dims) and the buffer of its raw bytes, copied once (see `_initializer_parts`)."""
-    return b"".join([model, *_initializer_parts(tensors)])
-
-
 def _initializer_parts(tensors: Sequence[tuple[onnx.TensorProto, memoryview]]) -> list[bytes | memoryview]:
-    """A ModelProto `graph` field holding `tensors` as initializers, in parts that reference the
-    tensors' buffers: protobuf merges a second `graph` field into the first, so these follow a
-    model's bytes as a graph of their own (building them as messages and serializing copied
-    SmolLM2-135M's 540 MB three times, 3.7 s)."""
+    """A ModelProto `graph` field holding `tensors` as initializers, each a TensorProto header
+    (name, type, dims) and the buffer of its raw bytes, in parts that reference those buffers:
+    protobuf merges a second `graph` field into the first, so these follow a model's bytes as a
+    graph of their own (building them as messages and serializing copied SmolLM2-135M's 540 MB
+    three times, 3.7 s)."""
     graph = []
     for header, data in tensors:
         head = header.SerializeToString()
@@ -190,7 +185,7 @@ def _initializer_parts(tensors: Sequence[tuple[onnx.TensorProto, memoryview]]) -
 def save_with_external_data(model: bytes, tensors: Sequence[tuple[onnx.TensorProto, memoryview]],
                             path: str | os.PathLike, *, metadata: dict[str, str]) -> None:
     """Write a serialized ModelProto without weights, with `tensors` (headers and bytes, as
-    `with_initializers` takes them) as its initializers in `<name>.data` beside it and `metadata`
+    `save_serialized` takes them) as its initializers in `<name>.data` beside it and `metadata`
     as its metadata_props, atomically; the tensors' bytes are written from where they are, never
     gathered into one message (past 2 GB none can hold them)."""
     path = Path(path)
@@ -204,7 +199,7 @@ def save_with_external_data(model: bytes, tensors: Sequence[tuple[onnx.TensorPro
                 _set_external(tensor, data_name, _append_aligned(out, data), data.nbytes)
         with open(staging / path.name, "wb") as f:
             f.write(model)
-            f.write(extra.SerializeToString())  # merged into the model's graph, as in `with_initializers`
+            f.write(extra.SerializeToString())  # merged into the model's graph (see `_initializer_parts`)
         os.replace(staging / data_name, path.parent / data_name)
         os.replace(staging / path.name, path)
 
@@ -236,7 +231,7 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
 
 def save_serialized(model: bytes, tensors: Sequence[tuple[onnx.TensorProto, memoryview]], path: str | os.PathLike,
                     *, metadata: dict[str, str]) -> None:
-    """Write a serialized ModelProto with `tensors` (as `with_initializers` takes them) as inline
+    """Write a serialized ModelProto with `tensors` (TensorProto headers and their bytes) as inline
     initializers (under 2 GB) and `metadata` as its metadata_props, atomically and without parsing
     it or gathering it into one buffer: parsing and serializing SmolLM2-135M's 540 MB again cost
     2.4 s, joining them 0.4 s. Protobuf merges concatenated messages, so the tensors and the

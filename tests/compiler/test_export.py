@@ -9,10 +9,16 @@ import torch
 from llmc.errors import LlmcError
 from llmc.formats.decoder_interface import recognize_decoder
 from llmc.compiler.export import _FlatDecoder, _initializer, _ort_value, export, io_names, model_geometry, sample_inputs
-from llmc.formats.onnx_io import with_initializers
+from llmc.formats.onnx_io import save_serialized
 from llmc.models import load_model
 
 TOLERANCE = 1e-4  # fp32
+
+
+def written(graph_and_weights, path) -> bytes:
+    """The file `llmc export` writes for a trace (its graph and weights), as bytes."""
+    save_serialized(*graph_and_weights, path, metadata={})
+    return path.read_bytes()
 SHAPES = [(1, 1, 0), (2, 7, 0), (3, 1, 9), (2, 4, 5), (1, 16, 3)]  # (batch, seq, past)
 
 
@@ -123,12 +129,12 @@ def test_skipping_torchs_whole_graph_shape_inference_writes_the_same_graph(famil
 
     loaded = load_model(write_hf_checkpoint(tmp_path / family, family))
     geometry = model_geometry(loaded.model)
-    skipped = with_initializers(*export_module._trace_torchscript(loaded.model, geometry))
+    skipped = written(export_module._trace_torchscript(loaded.model, geometry), tmp_path / "skipped.onnx")
     monkeypatch.setattr(export_module, "_without_whole_graph_shape_inference", contextlib.nullcontext)
-    assert with_initializers(*export_module._trace_torchscript(loaded.model, geometry)) == skipped
+    assert written(export_module._trace_torchscript(loaded.model, geometry), tmp_path / "inferred.onnx") == skipped
 
 
-def test_a_model_traced_with_two_layers_and_repeated_equals_its_full_trace():
+def test_a_model_traced_with_two_layers_and_repeated_equals_its_full_trace(tmp_path):
     """tiny-llama (4 layers) is traced with 2 and its second layer's nodes copied for layers 2
     and 3: same interface and weights as the trace of all 4, and onnxruntime gives the same
     outputs for both (prefill and decode shapes)."""
@@ -137,10 +143,11 @@ def test_a_model_traced_with_two_layers_and_repeated_equals_its_full_trace():
     loaded = load_model("tiny-llama")
     geometry = model_geometry(loaded.model)
     assert geometry.num_layers == 4
-    repeated = onnx.load_from_string(with_initializers(*export_module._trace_torchscript(loaded.model, geometry)))
+    repeated = onnx.load_from_string(written(export_module._trace_torchscript(loaded.model, geometry),
+                                             tmp_path / "repeated.onnx"))
     assert any(n.name.startswith("/model/layers.3/") for n in repeated.graph.node)
-    full = onnx.load_from_string(with_initializers(*export_module._with_weights(
-        export_module._trace(loaded.model, geometry), _FlatDecoder(loaded.model))))
+    full = onnx.load_from_string(written(export_module._with_weights(
+        export_module._trace(loaded.model, geometry), _FlatDecoder(loaded.model)), tmp_path / "full.onnx"))
     assert [i.name for i in repeated.graph.input] == [i.name for i in full.graph.input] == io_names(4)[0]
     assert [o.name for o in repeated.graph.output] == [o.name for o in full.graph.output] == io_names(4)[1]
     # The full trace gives weights equal to another's (its layer norms, at ones) as Identity nodes;
