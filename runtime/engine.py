@@ -259,14 +259,13 @@ class Engine:
                 "speculative_tokens": self._drafted, "speculative_tokens_kept": self._accepted}
 
     def _with_draft(self, chunk: Chunk) -> Chunk:
-        """A decode chunk with the guesses of its request's lookup, as many as its output and
-        the engine's positions leave room for after the token the step picks itself."""
+        """A decode chunk with the guesses of its request's lookup, as many as its budget leaves
+        room for."""
         request = chunk.request
         lookup = self._lookups.get(request.request_id)
         if lookup is None or chunk.count != 1 or chunk.start != len(request.token_ids) - 1:
             return chunk
-        room = min(request.params.max_new_tokens, self.max_seq_len - len(request.prompt_ids)) \
-            - len(request.output_ids) - 1
+        room = self._budget(request) - len(request.output_ids) - 1  # after the token the step picks
         draft = lookup.propose(min(self.speculative_tokens, room, self.config.max_num_batched_tokens - 1))
         return self.scheduler.with_draft(chunk, draft) if draft else chunk
 
@@ -345,13 +344,15 @@ class Engine:
                 break
         return outputs
 
+    def _budget(self, request: Request) -> int:
+        """The most tokens the request may generate: its own limit, or what positions allow."""
+        return min(request.params.max_new_tokens, self.max_seq_len - len(request.prompt_ids))
+
     def _emit(self, request: Request, token: int) -> RequestOutput:
-        params = request.params
-        budget = min(params.max_new_tokens, self.max_seq_len - len(request.prompt_ids))
         text = self._texts[request.request_id]
         delta, stopped = text.add(token)
-        reason = "stop" if stopped else finish_reason(token, len(request.output_ids), budget, params,
-                                                      self.tokenizer.eos_ids)
+        reason = "stop" if stopped else finish_reason(token, len(request.output_ids), self._budget(request),
+                                                      request.params, self.tokenizer.eos_ids)
         if reason is not None:
             if not stopped:
                 delta += text.flush()
