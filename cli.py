@@ -144,6 +144,13 @@ def _pipeline_options(command):
     return click.option("--level", default=None, help="Optimization level: 0, 1, 2 (default) or 3.")(command)
 
 
+# run, serve and bench: the engine's prompt-lookup guesses per step (`Engine`'s speculative_tokens).
+_speculative_tokens_option = click.option(
+    "--speculative-tokens", type=int, default=None,
+    help="Tokens a step may guess ahead for a greedy request running alone, from its own text (prompt lookup; "
+    "greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
+
+
 def _pass_names(passes: str | None) -> list[str] | None:
     return None if passes is None else [p.strip() for p in passes.split(",") if p.strip()]
 
@@ -385,9 +392,7 @@ def inspect(path, as_json):
 @click.option("--ray", "use_ray", is_flag=True, help="Serve replicas as Ray Serve deployments behind Ray's HTTP proxy "
               "(a local Ray cluster, or RAY_ADDRESS's).")
 @click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: engine replicas.")
-@click.option("--speculative-tokens", type=int, default=None,
-              help="Tokens a step may guess ahead for a greedy request running alone, from its own text "
-              "(prompt lookup; greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
+@_speculative_tokens_option
 def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_batched_tokens, max_wait_ms, policy,
           threads, kv_pool_mb, use_ray, replicas, speculative_tokens):
     """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
@@ -448,9 +453,7 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
 @click.option("--seed", type=int, help="Seed for sampling (per request).")
 @click.option("--stream", is_flag=True, help="Print tokens as they are generated.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per completion.")
-@click.option("--speculative-tokens", type=int, default=None,
-              help="Tokens a step may guess ahead for a greedy request running alone, from its own text "
-              "(prompt lookup; greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
+@_speculative_tokens_option
 def run(engine, prompts, prompts_file, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
         presence_penalty, seed, stream, as_json, speculative_tokens):
     """Generate completions with an ENGINE file."""
@@ -598,9 +601,7 @@ def _read_prompts(path: Path) -> list[str]:
 @click.option("--url", help="Send the workload to this OpenAI-compatible server (e.g. `llmc serve ENGINE`'s "
               "http://127.0.0.1:8000) as streamed requests instead of running ENGINE here; ENGINE still draws it.")
 @click.option("--model", help="With --url: the model name to ask for (default: the server's first).")
-@click.option("--speculative-tokens", type=int, default=None,
-              help="Tokens a step may guess ahead for a greedy request running alone, from its own text "
-              "(prompt lookup; greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
+@_speculative_tokens_option
 def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_len_max, prompts_file, rate, batch,
           seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot, url, model, speculative_tokens):
     """Serve a synthetic workload with ENGINE (or the server at --url) and report throughput and latency."""
@@ -610,6 +611,8 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
         raise LlmcError(f"--batch: must be ≥ 1, got {batch}")
     if batch is not None and rate is not None:
         raise LlmcError("--batch and --rate: choose one (--batch adds requests as others finish)")
+    if speculative_tokens is not None and url is not None:
+        raise LlmcError("--speculative-tokens: not with --url (the server's own option: llmc serve --speculative-tokens)")
 
     prompts = _read_prompts(Path(prompts_file)) if prompts_file else None
     for index, prompt in enumerate(prompts or []):
@@ -624,8 +627,6 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
         return
     if model is not None:
         raise LlmcError("--model: only with --url")
-    if speculative_tokens is not None and url is not None:
-        raise LlmcError("--speculative-tokens: not with --url (the server's own option)")
     if plot:
         serving.require_matplotlib()
     _share_threads(threads)

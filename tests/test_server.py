@@ -332,3 +332,6 @@ def test_bench_url_errors_are_one_line(chat_engine, tmp_path):
     assert result.exit_code == 2 and "no OpenAI-compatible server answers there" in result.stderr
     result = CliRunner().invoke(main, ["bench", str(chat_engine), "--model", "x"])
     assert result.exit_code == 2 and "--model: only with --url" in result.stderr
+    result = CliRunner().invoke(main, ["bench", str(chat_engine), "--url", "http://127.0.0.1:9",
+                                       "--speculative-tokens", "2"])
+    assert result.exit_code == 2 and "--speculative-tokens: not with --url" in result.stderr
