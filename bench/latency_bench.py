@@ -143,6 +143,8 @@ class _LlmcRunner:
             outputs = self.engine.step()
             now = time.perf_counter()
             for output in outputs:
+                if output.error is not None:
+                    raise RuntimeError(f"llmc request failed: {output.error}")
                 times += [now] * len(output.new_token_ids)
                 tokens += output.new_token_ids
         return times, tokens
