@@ -1,7 +1,9 @@
 """Serving benchmark: llmc's Engine against Hugging Face `generate` and onnxruntime-genai.
 
 The checkpoint is optimize_bench's ~32M-parameter Llama (random seeded weights), with 4,096
-positions so that a 3,000-token prompt fits. One run, CPU, the same thread count everywhere:
+positions so that a 3,000-token prompt fits. CPU, the same thread count everywhere, each system's
+run in a fresh process of its own (not the one that built the models); the llmc and genai runs
+go in `--rounds` rounds (default 3), alternating their order, and each reports its median:
 
 Scenario 1, offline throughput: N requests (default 64) with prompts of 16-512 random tokens and
 outputs of 16-128 tokens (uniform, seeded), all at t=0; exact output lengths (EOS ignored).
@@ -37,7 +39,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import gc
 import json
 import os
 import shutil
@@ -158,6 +159,14 @@ def interference_workloads(scale: Scale, seed: int, special: set[int]) -> tuple[
 # --- the systems -----------------------------------------------------------------------------
 
 
+def warm_up(engine, prompt: list[int]) -> None:
+    """Take every path a measured step may: the whole graph, and the segments with both attention
+    forms (the second request arrives while the first decodes, so one step holds a prefill chunk
+    and a decode). Else the first mixed step of a fresh process waits for Numba's kernels to
+    load (0.4-1.6 s) and builds the dense form's session."""
+    run_workload(engine, [BenchRequest(prompt[:16], 8), BenchRequest(prompt[16:48], 4, arrival_s=0.001)])
+
+
 def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seats: int | None = None) -> dict[str, Any]:
     from llmc.formats.sessions import share_threads
     from llmc.runtime.engine import Engine, SchedulerConfig
@@ -165,7 +174,7 @@ def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seat
     share_threads(threads)  # as `llmc bench` does: the benchmark's process is llmc's own
     config = SchedulerConfig(max_num_seqs=seats) if seats else None  # None: the engine's max batch
     engine = Engine(engine_path, config, threads=threads, concurrent=True)
-    run_workload(engine, [BenchRequest(workload[0].prompt[:16], 4)])  # warm-up
+    warm_up(engine, workload[0].prompt)
     engine = Engine(engine_path, config, threads=threads, concurrent=True)  # fresh counters
     done = 0
 
@@ -181,16 +190,35 @@ def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seat
     return summary
 
 
-def in_fresh_process(run: str, **arguments) -> dict[str, Any]:
-    """hf_baseline's `run`(**arguments) in a new interpreter that has not imported llmc: llmc sets
-    OpenMP's wait policy to passive when imported (see llmc/__init__.py), which slowed
-    transformers' generate by about 12% here; the baselines run with libgomp's defaults."""
+def in_fresh_process(script: Path, job: dict[str, Any]) -> Any:
+    """What `script` prints for `job` (a JSON object on its stdin), run in a new interpreter.
+
+    Every system gets one: a process that had just exported and compiled ran llmc's offline
+    workload 10-15% slower than a fresh one (measured twice over, bench/RESULTS.md, session 16), and
+    llmc sets OpenMP's wait policy to passive when imported (llmc/__init__.py), which slowed
+    transformers' generate by about 12% here: the baselines run with libgomp's defaults."""
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run([sys.executable, str(BENCH_DIR / "hf_baseline.py")], env=environment, text=True,
-                          input=json.dumps({"run": run, **arguments}), stdout=subprocess.PIPE)
+    done = subprocess.run([sys.executable, str(script)] + (["--child"] if script == Path(__file__) else []),
+                          env=environment, text=True, input=json.dumps(job), stdout=subprocess.PIPE)
     if done.returncode != 0:
-        raise RuntimeError(f"{run} exited with {done.returncode} (its error is above)")
+        raise RuntimeError(f"{job['run']} exited with {done.returncode} (its error is above)")
     return json.loads(done.stdout)
+
+
+def child(job: dict[str, Any]) -> Any:
+    """One system's run, in the process `in_fresh_process` started; the workloads are made again
+    from the seed, so the parent sends only their recipe."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+    scale, special = QUICK if job["quick"] else FULL, set(job["special"])
+    if job["run"] == "interference":
+        shorts, mixed = interference_workloads(scale, job["seed"], special)
+        return run_interference(Path(job["engine"]), shorts, mixed, job["threads"])
+    workload = offline_workload(scale, job["seed"], special)
+    if job["run"] == "llmc":
+        return run_llmc(Path(job["engine"]), workload, job["threads"], job.get("seats"))
+    return run_genai(Path(job["folder"]), workload, job["threads"], job["pad"], job["group"])
 
 
 def run_genai(folder: Path, workload: list[BenchRequest], threads: int, pad: int, group: int = GROUP) -> dict[str, Any]:
@@ -235,7 +263,7 @@ def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[
 
     def short_ttfts(workload: list[BenchRequest], skip: int) -> tuple[dict[str, Any], list[float]]:
         engine = Engine(engine_path, threads=threads, concurrent=True)
-        run_workload(engine, [BenchRequest(workload[-1].prompt[:16], 2)])  # warm-up
+        warm_up(engine, workload[-1].prompt)
         result = run_workload(engine, workload)
         records = result.records[skip:]
         if any(r.error for r in result.records):
@@ -243,6 +271,7 @@ def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[
         ttfts = [r.ttft_s * 1e3 for r in records]
         return result, ttfts
 
+    short_ttfts(shorts, 0)  # untimed: a fresh process's first workload runs colder (p99 47-64 ms against 32)
     _, alone = short_ttfts(shorts, 0)
     result, together = short_ttfts(mixed, 1)
     long = result.records[0]
@@ -283,34 +312,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     systems: dict[str, Any] = {}
     errors: dict[str, str] = {}
 
-    def attempt(name: str, thunk) -> None:
+    def attempt(name: str, thunk) -> Any:
+        """thunk()'s result, or None with the error recorded under `name`."""
         log(f"run: {name}")
         try:
-            systems[name] = thunk()
+            return thunk()
         except Exception as exc:  # a failing system is a result to report, not the end of the run
             errors[name] = f"{type(exc).__name__}: {str(exc).strip()}"[:1000]
             log(f"run: {name} FAILED: {errors[name]}")
+            return None
 
-    attempt("llmc", lambda: run_llmc(built["llmc_engine"], workload, args.threads))
-    attempt(f"llmc-{WIDE}", lambda: run_llmc(built["llmc_engine"], workload, args.threads, seats=WIDE))
-    attempt("llmc-kv16", lambda: run_llmc(built["llmc_kv16_engine"], workload, args.threads))
-    shorts, mixed = interference_workloads(scale, args.seed, special)
-    interference = None
-    try:
-        interference = run_interference(built["llmc_engine"], shorts, mixed, args.threads)
-    except Exception as exc:
-        errors["interference"] = f"{type(exc).__name__}: {str(exc).strip()}"[:1000]
-        log(f"interference FAILED: {errors['interference']}")
-    gc.collect()  # drop the engines' sessions and pools before the others run
+    recipe = {"quick": args.quick, "seed": args.seed, "special": sorted(special), "threads": args.threads}
+    me = Path(__file__)
+    jobs = {"llmc": {"run": "llmc", "engine": str(built["llmc_engine"])},
+            f"llmc-{WIDE}": {"run": "llmc", "engine": str(built["llmc_engine"]), "seats": WIDE},
+            "llmc-kv16": {"run": "llmc", "engine": str(built["llmc_kv16_engine"])}}
     if "genai_model" in built:
-        attempt("genai", lambda: run_genai(built["genai_model"], workload, args.threads, pad))
-        attempt(f"genai-{WIDE}", lambda: run_genai(built["genai_model"], workload, args.threads, pad, WIDE))
+        jobs |= {name: {"run": "genai", "folder": str(built["genai_model"]), "pad": pad, "group": group}
+                 for name, group in (("genai", GROUP), (f"genai-{WIDE}", WIDE))}
     else:
         errors["genai"] = built["genai_error"]
+    # Rounds in alternating order, each system's median kept: this shared 2-core machine's speed
+    # drifts by 10-30% within minutes (bench/RESULTS.md, session 16).
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
+    for round_ in range(args.rounds):
+        for name in (list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]):
+            summary = attempt(name, lambda name=name: in_fresh_process(me, {**jobs[name], **recipe}))
+            if summary is not None:
+                runs[name].append(summary)
+    for name, done in runs.items():
+        if done:
+            ordered = sorted(done, key=lambda summary: summary["throughput_tok_s"])
+            systems[name] = {**ordered[(len(ordered) - 1) // 2],
+                             "rounds_tok_s": [summary["throughput_tok_s"] for summary in done]}
+    interference = attempt("interference", lambda: in_fresh_process(
+        me, {"run": "interference", "engine": str(built["llmc_engine"]), **recipe}))
     requests = [(r.prompt, r.output_len) for r in workload]
     common = {"checkpoint": str(checkpoint), "threads": args.threads, "pad": pad}
-    attempt("hf-static", lambda: in_fresh_process("run_hf_static", requests=requests, group_size=GROUP, **common))
-    attempt("hf-single", lambda: in_fresh_process("run_hf_single", requests=requests[:scale.hf_single], **common))
+    baseline = BENCH_DIR / "hf_baseline.py"
+    for name, job in (("hf-static", {"run": "run_hf_static", "requests": requests, "group_size": GROUP}),
+                      ("hf-single", {"run": "run_hf_single", "requests": requests[:scale.hf_single]})):
+        summary = attempt(name, lambda job=job: in_fresh_process(baseline, {**job, **common}))
+        if summary is not None:
+            systems[name] = summary
 
     ratios = {}
     if "llmc" in systems:
@@ -324,7 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios[f"llmc-{WIDE}_vs_genai-{WIDE}"] = round(
             systems[f"llmc-{WIDE}"]["throughput_tok_s"] / systems[f"genai-{WIDE}"]["throughput_tok_s"], 2)
     return {
-        "benchmark": "serving", "quick": args.quick, "seed": args.seed, "threads": args.threads,
+        "benchmark": "serving", "quick": args.quick, "seed": args.seed, "rounds": args.rounds, "threads": args.threads,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {**dataclasses.asdict(SPEC), "parameters": parameters},
         "workload": {"requests": len(workload), "prompt_len": scale.prompt_len, "output_len": scale.output_len,
@@ -346,14 +390,14 @@ def render(result: dict[str, Any]) -> str:
              f"{w['output_len'][0]}-{w['output_len'][1]}; {w['prompt_tokens']} prompt / {w['output_tokens']} "
              f"output tokens), load avg {result['machine']['loadavg_start'][0]:.2f} → "
              f"{result['machine']['loadavg_end'][0]:.2f}", ""]
-    rows = [["system", "useful tok/s", "seconds", "generated", "llmc ×"]]
+    rows = [["system", "useful tok/s", "seconds", "generated", "llmc ×", "rounds (tok/s)"]]
     for name, s in result["systems"].items():
         useful = s.get("output_tokens", s.get("useful_tokens"))
         seconds = s.get("duration_s", s.get("seconds"))
         generated = s.get("generated_tokens", useful)
         ratio = result["ratios"].get(f"llmc_vs_{name}")
         rows.append([name, f"{s['throughput_tok_s']:.1f}", f"{seconds:.1f}", str(generated),
-                     f"{ratio:.2f}" if ratio else "-"])
+                     f"{ratio:.2f}" if ratio else "-", " ".join(f"{x:.0f}" for x in s.get("rounds_tok_s", [])) or "-"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(r, widths)))
               for r in rows]
@@ -395,12 +439,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64, help="offline requests (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every system (default 2)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="offline runs of each llmc and genai system, alternating; the median is reported (default 3)")
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR),
                         help="where the checkpoint is cached and models are built (default bench/.work)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        print(json.dumps(child(json.load(sys.stdin))), flush=True)
+        return 0
     args = parser.parse_args(argv)
     import onnxruntime as ort
 
-    ort.set_default_logger_severity(3)
+    ort.set_default_logger_severity(3)  # the build's sessions
     result = run(args)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
