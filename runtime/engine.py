@@ -48,10 +48,13 @@ SPECULATIVE_TOKENS = 4
 def default_speculative_tokens(manifest) -> int:
     """SPECULATIVE_TOKENS for an engine whose linear layers compute in fp32, else 0. A step of
     several tokens then gives each the logits a step of one would, to float rounding (SmolLM2-135M:
-    5e-5), so greedy outputs stay those of decoding token by token. onnxruntime's int8-compute
-    MatMulNBits (weight-only int4/int8) rounds a several-token product differently from a
-    one-token one (SmolLM2-135M int4: 0.7 on average in the logits, against 8.9 from fp32): greedy
-    outputs would change with how the steps were cut, so there it is the user's choice."""
+    5e-5), so greedy outputs stay those of decoding token by token. Weight-only int4/int8
+    engines quantize each linear layer's input to int8 (MatMulNBits' accuracy_level 4), which
+    turns that rounding (the whole graph's GroupQueryAttention rounds a token slightly differently
+    when the step holds more; MatMulNBits does not, and on the segments path, llmc's attention,
+    guesses keep int4 outputs) into different codes now and then: SmolLM2-135M int4, 0.7 on
+    average in the logits against 8.9 from fp32. Greedy outputs would change with how the
+    steps were cut, so there it is the user's choice."""
     precision = manifest.precision
     fp32 = precision is None or (not precision.get("fp16") and set(precision.get("linears", {}).values()) <= {"fp32"})
     return SPECULATIVE_TOKENS if fp32 else 0

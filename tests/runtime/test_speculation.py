@@ -119,8 +119,9 @@ def test_a_negative_count_of_guesses_is_refused(tiny_llama_engine):
 
 
 def test_guessing_is_on_by_default_only_where_linears_compute_in_fp32(tiny_llama_engine):
-    """Elsewhere a step of several tokens rounds differently from a step of one (onnxruntime's
-    int8-compute MatMulNBits), so greedy outputs would depend on how steps were cut."""
+    """Elsewhere a step of several tokens rounds differently from a step of one (int8-quantized
+    layer inputs amplify the attention's float rounding), so greedy outputs would depend on how
+    steps were cut."""
     assert Engine(tiny_llama_engine, kv_pool_mb=4).speculative_tokens == SPECULATIVE_TOKENS > 0
     for precision, on in ((None, True), ({"fp16": False, "linears": {"a": "fp32", "b": "fp32"}}, True),
                           ({"fp16": True, "linears": {"a": "fp16"}}, False),
