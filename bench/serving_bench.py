@@ -192,15 +192,21 @@ def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seat
     return summary
 
 
-def in_fresh_process(script: Path, job: dict[str, Any]) -> Any:
-    """What `script` prints for `job` (a JSON object on its stdin), run in a new interpreter.
+# The command lines `in_fresh_process` runs: this file's `child`, and the transformers baselines.
+CHILD = [str(Path(__file__).resolve()), "--child"]
+HF_BASELINE = [str(BENCH_DIR / "hf_baseline.py")]
+
+
+def in_fresh_process(command: list[str], job: dict[str, Any]) -> Any:
+    """What `command` (CHILD or HF_BASELINE) prints for `job`, a JSON object on its stdin, run in
+    a new interpreter.
 
     Every system gets one: a process that had just exported and compiled ran llmc's offline
-    workload 10-15% slower than a fresh one (measured twice over, bench/RESULTS.md, session 16), and
-    llmc sets OpenMP's wait policy to passive when imported (llmc/__init__.py), which slowed
-    transformers' generate by about 12% here: the baselines run with libgomp's defaults."""
+    workload 10-15% slower than a fresh one (bench/RESULTS.md, session 16), and llmc sets
+    OpenMP's wait policy to passive when imported (llmc/__init__.py), which slowed transformers'
+    generate by about 12% here: the baselines run with libgomp's defaults."""
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run([sys.executable, str(script)] + (["--child"] if script == Path(__file__) else []),
+    done = subprocess.run([sys.executable, *command],
                           env=environment, text=True, input=json.dumps(job), stdout=subprocess.PIPE)
     if done.returncode != 0:
         raise RuntimeError(f"{job['run']} exited with {done.returncode} (its error is above)")
@@ -325,7 +331,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return None
 
     recipe = {"quick": args.quick, "seed": args.seed, "special": sorted(special), "threads": args.threads}
-    me = Path(__file__)
     jobs = {"llmc": {"run": "llmc", "engine": str(built["llmc_engine"])},
             f"llmc-{WIDE}": {"run": "llmc", "engine": str(built["llmc_engine"]), "seats": WIDE},
             "llmc-kv16": {"run": "llmc", "engine": str(built["llmc_kv16_engine"])}}
@@ -339,7 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for round_ in range(args.rounds):
         for name in (list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]):
-            summary = attempt(name, lambda name=name: in_fresh_process(me, {**jobs[name], **recipe}))
+            summary = attempt(name, lambda name=name: in_fresh_process(CHILD, {**jobs[name], **recipe}))
             if summary is not None:
                 runs[name].append(summary)
     for name, done in runs.items():
@@ -348,13 +353,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             systems[name] = {**ordered[(len(ordered) - 1) // 2],
                              "rounds_tok_s": [summary["throughput_tok_s"] for summary in done]}
     interference = attempt("interference", lambda: in_fresh_process(
-        me, {"run": "interference", "engine": str(built["llmc_engine"]), **recipe}))
+        CHILD, {"run": "interference", "engine": str(built["llmc_engine"]), **recipe}))
     requests = [(r.prompt, r.output_len) for r in workload]
     common = {"checkpoint": str(checkpoint), "threads": args.threads, "pad": pad}
-    baseline = BENCH_DIR / "hf_baseline.py"
     for name, job in (("hf-static", {"run": "run_hf_static", "requests": requests, "group_size": GROUP}),
                       ("hf-single", {"run": "run_hf_single", "requests": requests[:scale.hf_single]})):
-        summary = attempt(name, lambda job=job: in_fresh_process(baseline, {**job, **common}))
+        summary = attempt(name, lambda job=job: in_fresh_process(HF_BASELINE, {**job, **common}))
         if summary is not None:
             systems[name] = summary
 
