@@ -96,7 +96,8 @@ class CpuPagedAttention:
         self._dense: dict[tuple[float, float], ort.InferenceSession] = {}  # by scale and softcap
         self._dense_models = dense_models or {}
         self._kernels = {False: None, True: None}  # _attend's and _attend_serial's entry points, once loaded
-        self._module = None  # plugins/paged_attention_kernels, once loaded and its threads set
+        self._module = None  # plugins/paged_attention_kernels, once loaded
+        self._counted_threads: set[int] = set()  # threads whose Numba thread count is set
         self._loaded: BaseException | None = None
         self._loader = threading.Thread(target=self._load, name="llmc-kernel-load", daemon=True)
         self._loader.start()
@@ -116,19 +117,20 @@ class CpuPagedAttention:
 
     def wait_until_loaded(self):
         """Block until the kernels are loaded (or compiled, the first time); returns their module,
-        raises what the loading raised. Call it on the thread that runs the kernels: Numba's
-        thread count is the calling thread's."""
+        raises what the loading raised. Every kernel call comes through here: Numba's thread
+        count belongs to the calling thread, and the engine may load on one thread and step on
+        another (a server)."""
         if self._module is None:
             self._loader.join()
             if self._loaded is not None:
                 raise self._loaded
-            import numba
-
             from llmc.plugins import paged_attention_kernels
 
-            if self.threads:
-                numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
             self._module = paged_attention_kernels
+        if self.threads and threading.get_ident() not in self._counted_threads:
+            numba = self._module.numba
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+            self._counted_threads.add(threading.get_ident())
         return self._module
 
     def store(self, pool: np.ndarray, new: np.ndarray, blocks: np.ndarray, offsets: np.ndarray) -> None:
@@ -179,8 +181,8 @@ class CpuPagedAttention:
                     b.context_lens, b.query_start_loc, layout.items, np.float32(scale), np.int64(window),
                     np.float32(softcap), output, self.block_size)
             serial = layout.serial
+            kernels = self.wait_until_loaded()
             if self._kernels[serial] is None:
-                kernels = self.wait_until_loaded()
                 kernel = kernels._attend_serial if serial else kernels._attend
                 try:
                     self._kernels[serial] = kernels.compiled_entry_point(kernel, args)

@@ -119,8 +119,9 @@ class PagedDecoder:
         single_sequence: run the steps it can take on the single-sequence graph, when the engine
             has one; False runs every step on the segments.
         segments_at_load: build the segments at load even when the single-sequence graph is
-            there (a server or benchmark that expects concurrent requests: no step of several
-            sequences waits for them, and the weights are held twice from the start).
+            there, and have the warm-up wait for the attention kernel (a server or benchmark that
+            expects concurrent requests: no step of several sequences waits for either, and the
+            weights are held twice from the start).
     """
 
     def __init__(self, engine: EngineFile, threads: int | None = None, kv_pool_mb: float | None = None,
@@ -140,6 +141,7 @@ class PagedDecoder:
         if single_sequence and paged.single_sequence:
             single = self._open(paged.single_sequence)
             drop_file_pages(engine)  # as after the segments' sessions (see `_segmented`)
+        self._kernel_at_load = segments_at_load
         if single is None or segments_at_load:
             self._segmented()
         self.num_blocks = pool_blocks(paged, geometry, kv_pool_mb)  # after the sessions: they hold the weights
@@ -240,8 +242,10 @@ class PagedDecoder:
         (kernel), is what start-up pays for: measured on SmolLM2-135M, 0.10 s, while a step of the
         scheduler's largest size (128 tokens, 63 of them decodes) took 0.5 s at load and saved the
         first real step of that size about 0.07 s. The decodes are left out while the kernel is
-        still loading: start-up does not wait for it. It writes only into pool blocks no request
-        owns yet; nothing reads them before a request's own keys and values overwrite them."""
+        still loading, except for concurrent traffic (`segments_at_load`), where the first mixed
+        step would wait for it instead (Numba's start, 0.4-1.6 s): a single request's start-up
+        does not. It writes only into pool blocks no request owns yet; nothing reads them before
+        a request's own keys and values overwrite them."""
         blocks = self.num_blocks
         if self.single is not None:
             prompt = max(1, min(tokens, blocks * self.block_size))
@@ -251,7 +255,9 @@ class PagedDecoder:
             self.single.invalidate()
         if self._sessions is None:
             return
-        if not self._attention.loaded:
+        if self._kernel_at_load:
+            self._attention.wait_until_loaded()
+        elif not self._attention.loaded:
             seqs = 1
         decodes = max(0, min(seqs - 1, tokens - 1, blocks - 1))
         prompt = max(1, min(tokens - decodes, (blocks - decodes) * self.block_size))

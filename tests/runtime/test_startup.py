@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -17,6 +20,7 @@ from llmc.errors import LlmcError
 from llmc.formats.engine_file import read_engine
 from llmc.runtime.backends.paged_onnxruntime import MEMORY_FRACTION, pool_blocks
 from llmc.runtime.engine import Engine
+from llmc.runtime.sampling_params import SamplingParams
 
 MiB = 2**20
 
@@ -85,6 +89,60 @@ def test_a_second_process_loads_the_kernels_from_numbas_cache(tiny_llama_engine)
     # One overload: the literal block size's, loaded by signature. Calling the dispatcher with a
     # plain int first would type (and count) a non-literal attempt as well.
     assert second["attend"]["overloads"] == second["attend_serial"]["overloads"] == 1, second
+
+
+def slow_kernel_load(monkeypatch, seconds: float = 0.5) -> None:
+    """Kernels that take `seconds` longer to load than they do, as Numba's start does on a busy machine."""
+    from llmc.plugins import paged_attention_kernels
+
+    load = paged_attention_kernels.load_kernels
+
+    def late(*args):
+        time.sleep(seconds)
+        load(*args)
+
+    monkeypatch.setattr(paged_attention_kernels, "load_kernels", late)
+
+
+def kernel_called(engine: Engine) -> bool:
+    return any(entry is not None for entry in engine.decoder._attention._kernels.values())
+
+
+def test_an_engine_for_concurrent_requests_has_run_the_kernel_when_loaded(tiny_llama_engine, monkeypatch):
+    """Else the first step that mixes a prompt with decodes waits for the kernels to load."""
+    slow_kernel_load(monkeypatch)
+    assert kernel_called(Engine(tiny_llama_engine, kv_pool_mb=4, concurrent=True))
+
+
+def test_a_single_request_engine_does_not_wait_for_the_kernel(tiny_llama_engine, monkeypatch):
+    """`llmc run` (segments only, as an engine without a single-sequence graph has): its first
+    token comes from the dense form, so start-up leaves the kernel loading."""
+    slow_kernel_load(monkeypatch)
+    engine = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)
+    assert not kernel_called(engine) and not engine.decoder._attention.loaded
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a thread count below the machine's")
+def test_the_kernel_runs_with_the_engines_threads_on_the_thread_that_steps(tiny_llama_engine):
+    """A server loads its engine on one thread and steps it on another; Numba's thread count is
+    per thread."""
+    import numba
+
+    engine = Engine(tiny_llama_engine, kv_pool_mb=4, threads=1, concurrent=True)
+    seen = []
+
+    def serve():
+        for prompt in ([5, 6, 7], list(range(10, 40))):  # the second's prompt arrives while the first decodes
+            engine.add_request(prompt, SamplingParams(max_new_tokens=4))
+            engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        seen.append(numba.get_num_threads())
+
+    worker = threading.Thread(target=serve)
+    worker.start()
+    worker.join()
+    assert seen == [1]
 
 
 def test_the_default_pool_is_capped_by_the_memory_available(tiny_llama_engine):
