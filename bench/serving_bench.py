@@ -219,7 +219,8 @@ def child(job: dict[str, Any]) -> Any:
     import onnxruntime as ort
 
     ort.set_default_logger_severity(3)
-    scale, special = QUICK if job["quick"] else FULL, set(job["special"])
+    scale = QUICK if job["quick"] else dataclasses.replace(FULL, requests=job["requests"])
+    special = set(job["special"])
     if job["run"] == "interference":
         shorts, mixed = interference_workloads(scale, job["seed"], special)
         return run_interference(Path(job["engine"]), shorts, mixed, job["threads"])
@@ -330,7 +331,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"run: {name} FAILED: {errors[name]}")
             return None
 
-    recipe = {"quick": args.quick, "seed": args.seed, "special": sorted(special), "threads": args.threads}
+    recipe = {"quick": args.quick, "requests": args.requests, "seed": args.seed, "special": sorted(special),
+              "threads": args.threads}
     jobs = {"llmc": {"run": "llmc", "engine": str(built["llmc_engine"])},
             f"llmc-{WIDE}": {"run": "llmc", "engine": str(built["llmc_engine"]), "seats": WIDE},
             "llmc-kv16": {"run": "llmc", "engine": str(built["llmc_kv16_engine"])}}
