@@ -133,20 +133,26 @@ class _LlmcRunner:
         self.engine = Engine(path, threads=threads)
         self.vocab = self.engine.manifest.geometry.vocab_size
 
-    def complete(self, prompt: list[int], new_tokens: int) -> tuple[list[float], list[int]]:
-        """One greedy completion stopping at EOS: each token's time, and the tokens."""
-        from llmc.runtime.sampling_params import SamplingParams
-
-        self.engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens))
-        times, tokens = [], []
+    def _outputs(self):
+        """(time, output) for each request output of each step until the engine is idle; a failed
+        request raises."""
         while self.engine.has_unfinished():
             outputs = self.engine.step()
             now = time.perf_counter()
             for output in outputs:
                 if output.error is not None:
                     raise RuntimeError(f"llmc request failed: {output.error}")
-                times += [now] * len(output.new_token_ids)
-                tokens += output.new_token_ids
+                yield now, output
+
+    def complete(self, prompt: list[int], new_tokens: int) -> tuple[list[float], list[int]]:
+        """One greedy completion stopping at EOS: each token's time, and the tokens."""
+        from llmc.runtime.sampling_params import SamplingParams
+
+        self.engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens))
+        times, tokens = [], []
+        for now, output in self._outputs():
+            times += [now] * len(output.new_token_ids)
+            tokens += output.new_token_ids
         return times, tokens
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[float]]]:
@@ -156,13 +162,8 @@ class _LlmcRunner:
         start = time.perf_counter()
         ids = [self.engine.add_request(p, params) for p in prompts]
         times: dict[str, list[float]] = {i: [] for i in ids}
-        while self.engine.has_unfinished():
-            outputs = self.engine.step()
-            now = time.perf_counter()
-            for output in outputs:
-                if output.error is not None:
-                    raise RuntimeError(f"llmc request failed: {output.error}")
-                times[output.request_id] += [now] * len(output.new_token_ids)
+        for now, output in self._outputs():
+            times[output.request_id] += [now] * len(output.new_token_ids)
         if any(len(t) != new_tokens for t in times.values()):
             raise RuntimeError(f"llmc made {[len(t) for t in times.values()]} tokens, asked for {new_tokens}")
         return start, [times[i] for i in ids]
@@ -178,6 +179,17 @@ class _GenaiRunner:
             "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
         self.model = og.Model(config)
         self.vocab = json.loads((Path(path) / "genai_config.json").read_text())["model"]["vocab_size"]
+
+    def _outputs(self):
+        """(time, output) for each request output of each step until the engine is idle; a failed
+        request raises."""
+        while self.engine.has_unfinished():
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                if output.error is not None:
+                    raise RuntimeError(f"llmc request failed: {output.error}")
+                yield now, output
 
     def complete(self, prompt: list[int], new_tokens: int) -> tuple[list[float], list[int]]:
         import numpy as np
