@@ -180,17 +180,6 @@ class _GenaiRunner:
         self.model = og.Model(config)
         self.vocab = json.loads((Path(path) / "genai_config.json").read_text())["model"]["vocab_size"]
 
-    def _outputs(self):
-        """(time, output) for each request output of each step until the engine is idle; a failed
-        request raises."""
-        while self.engine.has_unfinished():
-            outputs = self.engine.step()
-            now = time.perf_counter()
-            for output in outputs:
-                if output.error is not None:
-                    raise RuntimeError(f"llmc request failed: {output.error}")
-                yield now, output
-
     def complete(self, prompt: list[int], new_tokens: int) -> tuple[list[float], list[int]]:
         import numpy as np
 
