@@ -13,13 +13,13 @@ from llmc.formats.onnx_io import save_serialized
 from llmc.models import load_model
 
 TOLERANCE = 1e-4  # fp32
+SHAPES = [(1, 1, 0), (2, 7, 0), (3, 1, 9), (2, 4, 5), (1, 16, 3)]  # (batch, seq, past)
 
 
 def written(graph_and_weights, path) -> bytes:
     """The file `llmc export` writes for a trace (its graph and weights), as bytes."""
     save_serialized(*graph_and_weights, path, metadata={})
     return path.read_bytes()
-SHAPES = [(1, 1, 0), (2, 7, 0), (3, 1, 9), (2, 4, 5), (1, 16, 3)]  # (batch, seq, past)
 
 
 # "auto" is the TorchScript exporter at these sizes; torch.export's is what models past 2 GB take.
