@@ -147,8 +147,8 @@ def _pipeline_options(command):
 # run, serve and bench: the engine's prompt-lookup guesses per step (`Engine`'s speculative_tokens).
 _speculative_tokens_option = click.option(
     "--speculative-tokens", type=int, default=None,
-    help="Tokens a step may guess ahead for a greedy request running alone, from its own text (prompt lookup; "
-    "greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
+    help="Tokens a step may guess ahead for a greedy request, from its own text (prompt lookup; beside other "
+    "requests only guesses likely to be kept; greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, else 0.")
 
 
 def _pass_names(passes: str | None) -> list[str] | None:

@@ -7,6 +7,10 @@ The engine runs the guess as extra tokens of the sequence's step and keeps the l
 greedy decoding would have produced anyway (engine.py), so outputs do not change; a decode step
 reads every weight once however many tokens it holds, so each accepted guess is a token almost
 for free. No draft model, nothing to train.
+
+Beside other sequences a guess is not free: a step of many decodes is bound by compute as much as
+by reading the weights, so each extra token costs about what it would in a prompt. A request
+there guesses only as far as its guesses are likely to be kept (`likely`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ from __future__ import annotations
 # n-gram lengths tried, longest first. A single token's last occurrence guesses poorly on real
 # text (bench/RESULTS.md, speculation), and a rejected draft makes its step dearer.
 MAX_NGRAM, MIN_NGRAM = 3, 2
+# Beside other sequences, the least chance of being kept at which a guess pays. Measured on the
+# 25M Llama (bench/RESULTS.md, session 17): an extra token costs a step of 16-64 decodes 0.13-0.16
+# ms, and a step's token 0.26-0.40 ms of its time (4 decodes: 0.25 against 0.66 ms).
+KEEP_CHANCE = 0.5
+# How much a request's record of guesses counts one step later: a request whose text stops (or
+# starts) repeating itself is judged by its last ten or so steps.
+RECORD_DECAY = 0.9
 
 
 class PromptLookup:
@@ -27,6 +38,27 @@ class PromptLookup:
         self.tokens = tokens
         self._latest: dict[tuple[int, ...], int] = {}  # n-gram → where the token after its latest occurrence is
         self._indexed = 0  # n-grams followed by a token before this position are in _latest
+        # Guesses kept, and guesses tried (those up to and including the first turned down), decayed.
+        self._kept = self._tried = 0.0
+
+    def record(self, guessed: int, kept: int) -> None:
+        """A step ran `guessed` guesses and kept the first `kept`."""
+        self._kept += kept
+        self._tried += kept + (kept < guessed)
+
+    def likely(self, limit: int) -> list[int]:
+        """The draft for a step beside other sequences: the first of up to `limit` guesses that
+        are each at least KEEP_CHANCE likely to be kept, by the request's record (a guess is kept
+        only if the ones before it were, so the n-th is kept with the record's rate to the n-th
+        power; a request with no record yet counts as one guess tried and kept). Called once a
+        step, which ages the record."""
+        self._kept *= RECORD_DECAY
+        self._tried *= RECORD_DECAY
+        chance = (self._kept + 1) / (self._tried + 1)
+        count = 0
+        while count < limit and chance ** (count + 1) >= KEEP_CHANCE:
+            count += 1
+        return self.propose(count)
 
     def propose(self, limit: int) -> list[int]:
         """Up to `limit` tokens that may come next (none when the last n tokens never occurred

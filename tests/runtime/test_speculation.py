@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from llmc.errors import LlmcError
 from llmc.runtime.engine import SPECULATIVE_TOKENS, Engine, default_speculative_tokens
-from llmc.runtime.prompt_lookup import MAX_NGRAM, MIN_NGRAM, PromptLookup
+from llmc.runtime.prompt_lookup import KEEP_CHANCE, MAX_NGRAM, MIN_NGRAM, PromptLookup
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -79,6 +79,51 @@ def test_speculation_keeps_the_greedy_outputs_in_fewer_steps(tiny_llama_engine, 
     assert 0 < stats["speculative_tokens_kept"] < stats["speculative_tokens"]  # guesses kept, and some not
     assert guessing._steps < plain._steps - stats["speculative_tokens_kept"] // 2
     assert plain.stats["speculative_tokens"] == 0
+
+
+def generate_together(engine: Engine, prompts, params: SamplingParams) -> list[list[int]]:
+    """Each prompt's tokens, all added at once."""
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    return [tokens[i] for i in ids]
+
+
+@pytest.mark.parametrize("single_sequence", [True, False], ids=["whole-graph", "segments"])
+def test_requests_decoding_together_guess_and_keep_their_greedy_outputs(tiny_llama_engine, single_sequence):
+    prompts = looping_prompts() * 2
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    plain = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=0, single_sequence=single_sequence)
+    guessing = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=4, single_sequence=single_sequence)
+    guessed_beside_others = []
+    execute = guessing._execute
+    guessing._execute = lambda chunks: guessed_beside_others.append(
+        len(chunks) > 1 and sum(bool(c.draft) for c in chunks)) or execute(chunks)
+    assert generate_together(guessing, prompts, params) == generate_together(plain, prompts, params)
+    assert max(guessed_beside_others) >= 4  # steps of several sequences, several of them guessing
+    assert guessing.stats["speculative_tokens_kept"] > 0
+    assert guessing._steps < plain._steps
+
+
+def test_beside_others_a_request_guesses_as_far_as_its_guesses_have_been_kept():
+    lookup = PromptLookup([7, 1, 2, 1, 2, 1, 2])
+    assert lookup.likely(4) == [1, 2, 1, 2]  # no record yet: the whole limit
+    for _ in range(3):
+        lookup.record(4, 0)  # every first guess turned down
+    assert lookup.likely(4) == []
+    assert lookup.propose(4) == [1, 2, 1, 2]  # alone in its step, it still guesses
+    steps = 1
+    while not lookup.likely(4):  # the record ages: it is tried again
+        steps += 1
+    assert 5 < steps < 40
+    often = PromptLookup([7, 1, 2, 1, 2, 1, 2])
+    for _ in range(10):
+        often.record(4, 2)  # two of every three tried kept: 2/3 > KEEP_CHANCE > (2/3)²
+        often.likely(4)
+    assert len(often.likely(4)) == 1 and 2 / 3 > KEEP_CHANCE > (2 / 3) ** 2
 
 
 def test_a_stop_inside_the_guesses_ends_where_one_token_a_step_does(tiny_llama_engine):
