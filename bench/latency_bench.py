@@ -53,6 +53,7 @@ import time
 _T0 = time.perf_counter()  # the top of a child process: "load + first token" counts from here
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
@@ -132,6 +133,15 @@ class _LlmcRunner:
         share_threads(threads)  # as `llmc run` does: this process is llmc's own
         self.engine = Engine(path, threads=threads)
         self.vocab = self.engine.manifest.geometry.vocab_size
+
+    @contextlib.contextmanager
+    def one_token_a_step(self):
+        """The engine without speculation, its default back afterwards."""
+        default, self.engine.speculative_tokens = self.engine.speculative_tokens, 0
+        try:
+            yield
+        finally:
+            self.engine.speculative_tokens = default
 
     def _outputs(self):
         """(time, output) for each request output of each step until the engine is idle; a failed
@@ -228,10 +238,9 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
     out.update(_rates(start, times))
     if job["system"] == "llmc" and job.get("one_token_a_step"):
-        default, runner.engine.speculative_tokens = runner.engine.speculative_tokens, 0
-        start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
+        with runner.one_token_a_step():
+            start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
         out["plain_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
-        runner.engine.speculative_tokens = default
     if job.get("texts"):
         out.update(_real_text(runner, job))
     if job.get("long_prompt"):
@@ -249,15 +258,16 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
 def _real_text(runner, job: dict[str, Any]) -> dict[str, Any]:
     """The real-text prompts one at a time (llmc: with its default speculation, then without)."""
     out: dict[str, Any] = {}
-    passes = [("text", None), ("plain_text", 0)] if job["system"] == "llmc" else [("text", None)]
-    for name, speculative in passes:
-        if speculative is not None:
-            runner.engine.speculative_tokens = speculative
+    passes = [("text", contextlib.nullcontext)]
+    if job["system"] == "llmc":
+        passes.append(("plain_text", runner.one_token_a_step))
+    for name, setting in passes:
         made, seconds, outputs = 0, 0.0, []
-        for prompt in job["texts"]:
-            times, tokens = runner.complete(prompt, job["text_tokens"])
-            made, seconds = made + len(times) - 1, seconds + times[-1] - times[0]
-            outputs.append(tokens)
+        with setting():
+            for prompt in job["texts"]:
+                times, tokens = runner.complete(prompt, job["text_tokens"])
+                made, seconds = made + len(times) - 1, seconds + times[-1] - times[0]
+                outputs.append(tokens)
         out[f"{name}_decode_tok_s"] = round(made / seconds, 2) if seconds else None
         out[f"{name}_outputs"] = outputs
     return out
