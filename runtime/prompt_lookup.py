@@ -19,8 +19,9 @@ from __future__ import annotations
 # text (bench/RESULTS.md, speculation), and a rejected draft makes its step dearer.
 MAX_NGRAM, MIN_NGRAM = 3, 2
 # Beside other sequences, the least chance of being kept at which a guess pays. Measured on the
-# 25M Llama (bench/RESULTS.md, session 17): an extra token costs a step of 16-64 decodes 0.13-0.16
-# ms, and a step's token 0.26-0.40 ms of its time (4 decodes: 0.25 against 0.66 ms).
+# 25M Llama (bench/RESULTS.md, session 17): an extra token costs a step of 4-64 decodes 0.16-0.23
+# ms, against 0.26-0.68 ms of the step for each sequence's token: a break-even of a third (4-16
+# sequences) to two thirds (64).
 KEEP_CHANCE = 0.5
 # How much a request's record of guesses counts one step later: a request whose text stops (or
 # starts) repeating itself is judged by its last ten or so steps.
