@@ -93,7 +93,8 @@ def generate_together(engine: Engine, prompts, params: SamplingParams) -> list[l
 
 
 @pytest.mark.parametrize("single_sequence", [True, False], ids=["whole-graph", "segments"])
-def test_requests_decoding_together_guess_and_keep_their_greedy_outputs(tiny_llama_engine, single_sequence):
+def test_requests_decoding_together_guess_and_keep_their_greedy_outputs(tiny_llama_engine, single_sequence,
+                                                                         monkeypatch):
     prompts = looping_prompts() * 2
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     plain = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=0, single_sequence=single_sequence)
@@ -102,9 +103,16 @@ def test_requests_decoding_together_guess_and_keep_their_greedy_outputs(tiny_lla
     execute = guessing._execute
     guessing._execute = lambda chunks: guessed_beside_others.append(
         len(chunks) > 1 and sum(bool(c.draft) for c in chunks)) or execute(chunks)
+    records = []  # each request's record of its guesses, as the engine reports them
+    record = PromptLookup.record
+    monkeypatch.setattr(PromptLookup, "record", lambda self, guessed, kept: records.append((guessed, kept))
+                        or record(self, guessed, kept))
     assert generate_together(guessing, prompts, params) == generate_together(plain, prompts, params)
     assert max(guessed_beside_others) >= 4  # steps of several sequences, several of them guessing
-    assert guessing.stats["speculative_tokens_kept"] > 0
+    stats = guessing.stats
+    assert 0 < stats["speculative_tokens_kept"] < stats["speculative_tokens"]
+    assert (sum(g for g, _ in records), sum(k for _, k in records)) == \
+        (stats["speculative_tokens"], stats["speculative_tokens_kept"])
     assert guessing._steps < plain._steps
 
 
