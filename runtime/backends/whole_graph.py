@@ -8,7 +8,9 @@ such a step runs the engine's single-sequence graph (passes/lower_single_sequenc
 the whole model in one session, attention by onnxruntime's GroupQueryAttention over contiguous
 buffers [rows, kv heads, max_seq_len, head dim] per layer that the session appends to in place
 (bound as both its past and its present). A step of one sequence uses row 0; a decode of several
-gives each sequence a row and keeps it there while it runs.
+gives each sequence a row and keeps it there while it runs. GroupQueryAttention takes several new
+tokens with a past for one sequence only, so a decode step in which several sequences carry
+guesses (runtime/prompt_lookup.py) runs on the segments.
 
 The pool stays the record every other reader uses: a segmented step, a prefix-cache hit seated
 in another row, a copy-on-write. What a row appends reaches the pool when something is about to
