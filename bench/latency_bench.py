@@ -25,10 +25,10 @@ alternating too), so that both see the same machine; each uses 2 threads (`--thr
                       after every request has its first token ÷ the time from then to the last
   int4 runs           the same load, warm-up and batch-1 decode on the int4 builds (genai's int4
                       build beside each of llmc's two)
-  one token a step    llmc's fp32 runs repeat the batch-1 decode with speculation off (an fp32
-                      engine guesses tokens from the sequence's own text by default: runtime/
-                      prompt_lookup.py); random prompts make a model loop, which guesses well
-  real text           SmolLM2 only: 12 chat prompts (the model's template) asking about, rewriting
+  one token a step    llmc's runs repeat the batch-1 decode with speculation off (fp32 and
+                      weight-only engines guess tokens from the sequence's own text by default:
+                      runtime/prompt_lookup.py); random prompts make a model loop, which guesses well
+  real text           SmolLM2 only, fp32 and int4 (llmc's default scheme): 12 chat prompts (the model's template) asking about, rewriting
                       or summarizing pieces of Python's source (data/pystdlib-text/heldout) or
                       asking general questions, greedy, up to 128 new tokens, stopping at EOS; one
                       at a time. Decode rate over all of them (tokens after each first ÷ their
@@ -441,10 +441,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seed += 1  # fresh prompts in every run
                 job = {"system": system, "path": str(built["paths"][system][precision]), "threads": args.threads,
                        "seed": seed, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens}
+                job.update(one_token_a_step=True)
                 if precision == "fp32":
-                    job.update(long_prompt=sizes.long_prompt, batch=sizes.batch, one_token_a_step=True)
-                    if texts:
-                        job.update(texts=texts, text_tokens=TEXT_TOKENS)
+                    job.update(long_prompt=sizes.long_prompt, batch=sizes.batch)
+                if texts and precision != "int4-sym":
+                    job.update(texts=texts, text_tokens=TEXT_TOKENS)
                 result = spawn(job)
                 runs[system][precision].append(result)
                 log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
@@ -457,7 +458,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("decode, batch 1, fp32 (tok/s)", "decode_tok_s", "fp32", True),
         ("decode, batch 1, fp32, llmc one token a step (tok/s)", "plain_decode_tok_s", "fp32", True, "decode_tok_s"),
         ("decode, batch 1, int4 weight-only (tok/s)", "decode_tok_s", "int4", True),
+        ("decode, batch 1, int4, llmc one token a step (tok/s)", "plain_decode_tok_s", "int4", True, "decode_tok_s"),
         ("decode, batch 1, int4 in genai's scheme: symmetric, int4 lm_head (tok/s)", "decode_tok_s", "int4-sym", True),
+        ("decode, batch 1, int4 in genai's scheme, llmc one token a step (tok/s)", "plain_decode_tok_s", "int4-sym",
+         True, "decode_tok_s"),
         (f"decode, static batch of {sizes.batch} (tok/s)", "batch_decode_tok_s", "fp32", True),
         (f"time to first token, batch 1, {sizes.prompt}-token prompt (ms)", "ttft_ms", "fp32", False),
         (f"time to first token, batch 1, {sizes.long_prompt}-token prompt (ms)", "ttft_long_ms", "fp32", False),
@@ -465,16 +469,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("resident memory after load, fp32 (MiB)", "rss_after_load_mib", "fp32", False),
     ]
     if texts:
-        rows += [("decode on real text (chat), batch 1, fp32 (tok/s)", "text_decode_tok_s", "fp32", True),
-                 ("decode on real text (chat), batch 1, fp32, llmc one token a step (tok/s)", "plain_text_decode_tok_s",
-                  "fp32", True, "text_decode_tok_s")]
+        rows += [row for precision in ("fp32", "int4") for row in (
+            (f"decode on real text (chat), batch 1, {precision} (tok/s)", "text_decode_tok_s", precision, True),
+            (f"decode on real text (chat), batch 1, {precision}, llmc one token a step (tok/s)",
+             "plain_text_decode_tok_s", precision, True, "text_decode_tok_s"))]
     table = []
     for label, key, precision, higher, *genai_key in rows:
         mine, theirs = med("llmc", precision, key), med("genai", precision, (genai_key or [key])[0])
         ratio = round(mine / theirs, 2) if mine and theirs else None
         table.append({"measure": label, "key": key, "precision": precision, "llmc": mine, "genai": theirs,
                       "ratio": ratio, "higher_is_better": higher})
-    agreement = _agreement(runs) if texts else None
+    agreement = {p: _agreement(runs, p) for p in ("fp32", "int4")} if texts else None
     s = built["seconds"]
     for label, mine, theirs in (
             ("build: llmc export + compile vs genai builder, fp32 (s)",
@@ -500,10 +505,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _agreement(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Of the real-text outputs of the first fp32 runs: how many are token for token genai's, and
-    how many llmc's speculation left as they were one token a step."""
-    llmc, genai = runs["llmc"]["fp32"][0], runs["genai"]["fp32"][0]
+def _agreement(runs: dict[str, dict[str, list[dict[str, Any]]]], precision: str) -> dict[str, Any] | None:
+    """Of the real-text outputs of the first runs in `precision`: how many are token for token
+    genai's, and how many llmc's speculation left as they were one token a step."""
+    if not runs["llmc"][precision] or not runs["genai"][precision]:
+        return None
+    llmc, genai = runs["llmc"][precision][0], runs["genai"][precision][0]
     pairs = list(zip(llmc["text_outputs"], genai["text_outputs"]))
     return {"prompts": len(pairs), "same_as_genai": sum(a == b for a, b in pairs),
             "speculation_unchanged": sum(a == b for a, b in zip(llmc["text_outputs"], llmc["plain_text_outputs"])),
@@ -544,11 +551,11 @@ def render(result: dict[str, Any]) -> str:
     b = result["build_s"]
     lines += ["", f"build steps (s): llmc export {b['llmc_export']}, compile {b['llmc_compile']}, compile int4 "
                   f"{b['llmc_compile_int4']}, compile int4 in genai's scheme {b['llmc_compile_int4_sym']}; genai builder {b['genai_builder']}, int4 {b['genai_builder_int4']}"]
-    agreement = result.get("real_text_agreement")
-    if agreement:
-        lines.append(f"real text: {agreement['same_as_genai']} of {agreement['prompts']} greedy outputs token for "
-                     f"token genai's ({agreement['llmc_tokens']} vs {agreement['genai_tokens']} tokens); speculation "
-                     f"left {agreement['speculation_unchanged']} of {agreement['prompts']} unchanged")
+    for precision, agreement in (result.get("real_text_agreement") or {}).items():
+        if agreement:
+            lines.append(f"real text, {precision}: {agreement['same_as_genai']} of {agreement['prompts']} greedy outputs "
+                         f"token for token genai's ({agreement['llmc_tokens']} vs {agreement['genai_tokens']} tokens); "
+                         f"speculation left {agreement['speculation_unchanged']} of {agreement['prompts']} unchanged")
     peak = {s: _median([r["peak_rss_mib"] for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
     lines.append(f"peak resident (VmHWM) of an fp32 run (MiB): llmc {peak['llmc']}, genai {peak['genai']}")
     lines += [f"FAILED build: {what}: {error}" for what, error in result["build_errors"].items()]

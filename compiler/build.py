@@ -121,6 +121,9 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     check_against_source(model, onnx_path, exact=exact, level=level, passes=passes,
                          source_ops=source_ops, source_outputs=source_outputs, progress=progress)
     paged_entry, not_paged, single = None, "not requested", None
+    # Weight-only linear layers compute each row alone: with the padding row, speculation keeps
+    # their greedy outputs exactly (passes/lower_single_sequence.py).
+    weight_only = precision_entry is not None and set(precision_entry["linears"].values()) <= {"int4", "int8-weights"}
     unfused = unfused_attention(model, interface.geometry.num_layers, report)
     if unfused:
         progress(unfused)
@@ -128,7 +131,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         if unfused:
             not_paged = unfused
         else:
-            not_paged, single = lower(model, interface, paged, single_sequence=backend == "onnxruntime")
+            not_paged, single = lower(model, interface, paged, single_sequence=backend == "onnxruntime",
+                                      pad_lone_token=weight_only)
         if not_paged is None:
             paged_entry = pool
         elif not unfused:
@@ -170,6 +174,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     weights = engine_weights(model, *([single] if single is not None else []))
     if paged_entry is not None:
         paged_entry["single_sequence"] = single and SINGLE_SEQUENCE_SECTION
+        paged_entry["lone_token_padded"] = single is not None and weight_only
         paged_entry["segments"], payload = segment_sections(model)
         if single is not None:
             payload[SINGLE_SEQUENCE_SECTION] = single.SerializeToString()

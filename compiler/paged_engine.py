@@ -97,21 +97,21 @@ def reusable_window(windows: tuple[int, ...]) -> int | None:
 
 
 def lower(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOptions,
-          single_sequence: bool = False) -> tuple[str | None, onnx.ModelProto | None]:
+          single_sequence: bool = False, pad_lone_token: bool = False) -> tuple[str | None, onnx.ModelProto | None]:
     """Lower the optimized graph to the paged interface. Returns why not, when it can't be (else
     None), and with `single_sequence` the graph for steps of one sequence
-    (passes/lower_single_sequence.py), or None when the engine cannot have one (see
-    `single_sequence_graph`)."""
+    (passes/lower_single_sequence.py, `pad_lone_token` passed on), or None when the engine
+    cannot have one (see `single_sequence_graph`)."""
     computed = any("position_ids" in n.output for n in model.graph.node)  # canonicalize-gqa's, from the mask
     if not interface.has_position_ids and not computed:
         return "the graph has no position_ids input", None
-    single = single_sequence_graph(model, interface, options) if single_sequence else None
+    single = single_sequence_graph(model, interface, options, pad_lone_token) if single_sequence else None
     LowerPagedAttention(options.block_size, options.kv_dtype, interface.windows).run(model)
     return None, single
 
 
-def single_sequence_graph(model: onnx.ModelProto, interface: DecoderInterface,
-                          options: PagedOptions) -> onnx.ModelProto | None:
+def single_sequence_graph(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOptions,
+                          pad_lone_token: bool = False) -> onnx.ModelProto | None:
     """A copy of the optimized graph lowered for one sequence at a time, or None where its buffer
     could not mirror the pool: a pool in another type than the model's float32 (the paged path
     rounds keys and values to it), or windows on every layer (the block manager then frees
@@ -124,7 +124,8 @@ def single_sequence_graph(model: onnx.ModelProto, interface: DecoderInterface,
     single = onnx.ModelProto()
     single.CopyFrom(model)  # weights are references (onnx_io): the copy is the graph's structure
     try:
-        LowerSingleSequence(interface.windows, options.max_seq_len or interface.geometry.max_positions).run(single)
+        LowerSingleSequence(interface.windows, options.max_seq_len or interface.geometry.max_positions,
+                            pad_lone_token).run(single)
     except LlmcError:
         return None
     return single

@@ -31,6 +31,16 @@ Llama, int4: 66 small ops a step → 28). Elsewhere rotary stays where the passe
 gets query, key and value apart. Around the op the packed tokens are reshaped to
 [sequences, tokens each, width] and back (no copy). A layer's window becomes local_window_size (the keys a query
 sees, its own included, as the paged op counts them) and the Attention's softcap carries over.
+
+With `pad_lone_token`, a step of a single token gives the op a second, zero row (its output sliced off; its keys and
+values land one position past the sequence's, where the next step writes): onnxruntime computes
+a lone query row with another matrix kernel than two or more, whose rounding differs (2.7e-7 in
+the attention output), while rows of two or more come out bit for bit the same however many
+there are. So a sequence's logits do not depend on how many tokens its steps held, which keeps
+speculative decoding (runtime/prompt_lookup.py) exact on engines whose linear layers quantize
+their input (MatMulNBits' int8 compute turns such rounding into different codes, then different
+tokens). The buffer and the rotary tables then hold one position more than `positions`. Where
+linear layers are fp32 MatMuls, which round a lone row differently too, it is left out.
 """
 
 from __future__ import annotations
@@ -52,19 +62,28 @@ from llmc.passes.lower_paged_attention import attentions_by_layer, drop_stale_in
 STAGE = "single-sequence lowering"
 SEQUENCES_SHAPE = "single.sequences_shape"  # [sequences, -1, 0]: the step's tokens, sequence by sequence
 PACKED_SHAPE = "single.packed_shape"  # [1, -1, 0]: back to the rest of the graph's packed tokens
+TOKENS = "single.tokens"  # [1]: the step's tokens, all sequences'
+PADS = "single.pads"  # the Pad that gives a lone token a second row: [0, 0, 0, 0, 1 or 0, 0]
+PADDED_SEQLENS, PADDED_TOTAL = "single.seqlens_k", "single.total_sequence_length"  # counting that row
 
 
 class LowerSingleSequence(Pass):
     name = "lower-single-sequence"
 
-    def __init__(self, windows: Sequence[int] | None = None, positions: int | None = None):
+    def __init__(self, windows: Sequence[int] | None = None, positions: int | None = None,
+                 pad_lone_token: bool = False):
         """Args:
             windows: each layer's attention window, 0 for full attention; None: all full.
             positions: the most positions a sequence reaches (the rotary tables' length); None
                 leaves rotary embedding out of the attention op.
+            pad_lone_token: give a step of one token a padding row (module docstring). It costs
+                a one-token step ~5% (25M Llama: the op's two-row path, the Pad and the Slice),
+                for nothing where the linear layers round a lone row differently anyway (fp32
+                MatMul).
         """
         self.windows = None if windows is None else tuple(windows)
         self.positions = positions
+        self.pad_lone_token = pad_lone_token
 
     def run(self, model: onnx.ModelProto) -> PassResult:
         contrib_ops.register()
@@ -83,7 +102,7 @@ class LowerSingleSequence(Pass):
         lowered = {id(a) for a in attentions.values()}
         nodes = [n for n in model.graph.node if id(n) not in lowered and "position_ids" not in n.output]
         tables: dict[tuple[str, str], tuple[str, str]] = {}  # rotary tables by the cos/sin they replace
-        rotary = 0
+        rotary, pad = 0, self.pad_lone_token
         for layer in range(layers):
             attention = attentions[layer]
             scale = attr(attention, "scale")
@@ -97,28 +116,40 @@ class LowerSingleSequence(Pass):
                     tables[cos, sin] = self._tables(model, graph, cos, sin, len(tables))
                 qkv, caches = [projection, "", ""], list(tables[cos, sin])
                 rotary += 1
-            # The step's tokens as [sequences, tokens each, width] for the op, and back.
+            # The step's tokens as [sequences, tokens each, width] for the op, a lone token padded
+            # to two, and back.
             batched = [f"single.{layer}.{part}" if name else "" for part, name in zip("qkv", qkv)]
-            nodes += [helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [out], name=f"{out}/Reshape")
-                      for name, out in zip(qkv, batched) if name]
+            for name, out in zip(qkv, batched):
+                if name and pad:
+                    nodes += [helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [f"{out}/unpadded"],
+                                               name=f"{out}/Reshape"),
+                              helper.make_node("Pad", [f"{out}/unpadded", PADS], [out], name=f"{out}/Pad")]
+                elif name:
+                    nodes.append(helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [out], name=f"{out}/Reshape"))
             attended = f"single.{layer}.attended"
             nodes.append(helper.make_node(
                 "GroupQueryAttention",
                 [*batched, f"past_key_values.{layer}.key", f"past_key_values.{layer}.value",
-                 "seqlens_k", "total_sequence_length", *caches],
+                 *((PADDED_SEQLENS, PADDED_TOTAL) if pad else ("seqlens_k", "total_sequence_length")), *caches],
                 [attended, f"present.{layer}.key", f"present.{layer}.value"],
                 name=f"single.{layer}/GroupQueryAttention", domain=contrib_ops.DOMAIN,
                 num_heads=attr(attention, "q_num_heads"), kv_num_heads=kv_heads,
                 scale=float(head_dim ** -0.5 if scale is None else scale),
                 softcap=float(attr(attention, "softcap", 0.0)),
                 local_window_size=window if window else -1, do_rotary=int(packed is not None)))
-            nodes.append(helper.make_node("Reshape", [attended, PACKED_SHAPE], [attention.output[0]],
-                                          name=f"{attention.output[0]}/Reshape"))
-        nodes[:0] = [helper.make_node("Shape", ["seqlens_k"], ["single.sequences"], name="single.sequences/Shape"),
-                     helper.make_node("Concat", ["single.sequences", "single.tokens_width"], [SEQUENCES_SHAPE],
-                                      name=f"{SEQUENCES_SHAPE}/Concat", axis=0)]
-        model.graph.initializer.extend([numpy_helper.from_array(np.array([-1, 0], np.int64), "single.tokens_width"),
-                                        numpy_helper.from_array(np.array([1, -1, 0], np.int64), PACKED_SHAPE)])
+            if pad:
+                nodes += [helper.make_node("Reshape", [attended, PACKED_SHAPE], [f"{attended}/packed"],
+                                           name=f"{attended}/Reshape"),
+                          helper.make_node("Slice", [f"{attended}/packed", "single.zero", TOKENS, "single.one"],
+                                           [attention.output[0]], name=f"{attention.output[0]}/Slice")]
+            else:
+                nodes.append(helper.make_node("Reshape", [attended, PACKED_SHAPE], [attention.output[0]],
+                                              name=f"{attention.output[0]}/Reshape"))
+        nodes[:0] = self._step_shapes(pad)
+        constants = [("single.tokens_width", [-1, 0]), (PACKED_SHAPE, [1, -1, 0])]
+        constants += [("single.zero", [0]), ("single.one", [1]), ("single.two", [2]), ("single.no_pads", [0, 0, 0, 0])] \
+            if pad else []
+        model.graph.initializer.extend(numpy_helper.from_array(np.array(value, np.int64), name) for name, value in constants)
         del model.graph.node[:]
         model.graph.node.extend(nodes)
         model.graph.node.append(select_logit_rows(Graph(model)))
@@ -145,6 +176,27 @@ class LowerSingleSequence(Pass):
         drop_stale_inputs(model, stale_inputs(inputs), STAGE, "the single-sequence interface",
                           allowed=("GroupQueryAttention",))
         return PassResult(model, layers, [f"{layers} layers, {rotary} with rotary inside attention"])
+
+    @staticmethod
+    def _step_shapes(padded: bool) -> list[onnx.NodeProto]:
+        """The nodes every layer's reshapes read (SEQUENCES_SHAPE) and, where `padded`, its
+        padding: TOKENS, PADS and the op's sequence lengths counting the padding row."""
+        node = helper.make_node
+        pad = "single.pad"  # [1]: 1 when the step holds a single token, else 0
+        shapes = [node("Shape", ["seqlens_k"], ["single.sequences"], name="single.sequences/Shape"),
+                  node("Concat", ["single.sequences", "single.tokens_width"], [SEQUENCES_SHAPE],
+                       name=f"{SEQUENCES_SHAPE}/Concat", axis=0)]
+        if not padded:
+            return shapes
+        return shapes + [
+            node("Shape", ["input_ids"], [TOKENS], name=f"{TOKENS}/Shape", start=1, end=2),
+            node("Less", [TOKENS, "single.two"], ["single.lone"], name="single.lone/Less"),
+            node("Cast", ["single.lone"], [pad], name=f"{pad}/Cast", to=TensorProto.INT64),
+            node("Concat", ["single.no_pads", pad, "single.zero"], [PADS], name=f"{PADS}/Concat", axis=0),
+            node("Cast", [pad], [f"{pad}/int32"], name=f"{pad}/CastInt32", to=TensorProto.INT32),
+            node("Add", ["seqlens_k", f"{pad}/int32"], [PADDED_SEQLENS], name=f"{PADDED_SEQLENS}/Add"),
+            node("Squeeze", [f"{pad}/int32"], [f"{pad}/scalar"], name=f"{pad}/Squeeze"),
+            node("Add", ["total_sequence_length", f"{pad}/scalar"], [PADDED_TOTAL], name=f"{PADDED_TOTAL}/Add")]
 
     @staticmethod
     def _packed_rotary(graph: Graph, attention: onnx.NodeProto, head_dim: int) -> tuple[str, str, str] | None:
@@ -191,5 +243,8 @@ class LowerSingleSequence(Pass):
         values = ReferenceEvaluator(sub).run(None, {"position_ids": positions})
         names = (f"single.rotary.{index}.cos", f"single.rotary.{index}.sin")
         for name, value in zip(names, values):
-            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value[0]), name))
+            # One row more: a lone token's padding row may sit one past the last position (its
+            # output is dropped, so any angle will do).
+            table = np.concatenate([value[0], value[0][-1:]]) if self.pad_lone_token else value[0]
+            model.graph.initializer.append(numpy_helper.from_array(table, name))
         return names

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -45,19 +45,25 @@ from llmc.tokenizer import Tokenizer
 SPECULATIVE_TOKENS = 4
 
 
-def default_speculative_tokens(manifest) -> int:
-    """SPECULATIVE_TOKENS for an engine whose linear layers compute in fp32, else 0. A step of
-    several tokens then gives each the logits a step of one would, to float rounding (SmolLM2-135M:
-    5e-5), so greedy outputs stay those of decoding token by token. Weight-only int4/int8
-    engines quantize each linear layer's input to int8 (MatMulNBits' accuracy_level 4), which
-    turns that rounding (the whole graph's GroupQueryAttention rounds a token slightly differently
-    when the step holds more; MatMulNBits does not, and on the segments path, llmc's attention,
-    guesses keep int4 outputs) into different codes now and then: SmolLM2-135M int4, 0.7 on
-    average in the logits against 8.9 from fp32. Greedy outputs would change with how the
-    steps were cut, so there it is the user's choice."""
+def linears_in_fp32(manifest) -> bool:
     precision = manifest.precision
-    fp32 = precision is None or (not precision.get("fp16") and set(precision.get("linears", {}).values()) <= {"fp32"})
-    return SPECULATIVE_TOKENS if fp32 else 0
+    return precision is None or (not precision.get("fp16") and set(precision.get("linears", {}).values()) <= {"fp32"})
+
+
+def default_speculative_tokens(manifest, steps_round_alike: Callable[[], bool] | None = None) -> int:
+    """SPECULATIVE_TOKENS where a step of several tokens gives each the logits a step of one
+    would, so that greedy outputs stay those of decoding token by token; else 0. An engine whose
+    linear layers compute in fp32 does, to float rounding (SmolLM2-135M: 5e-5). A weight-only
+    int4/int8 engine quantizes each linear layer's input to int8 (MatMulNBits' accuracy_level 4),
+    which turns any such rounding into different codes now and then (SmolLM2-135M int4: 0.7 on
+    average in the logits, against 8.9 from fp32): there only bit-for-bit equal logits will do,
+    which the whole graph of an engine built with the lone token's padding row gives on CPUs
+    where `steps_round_alike` (the decoder's check, run here) says so. Elsewhere guessing is the
+    user's choice."""
+    if linears_in_fp32(manifest):
+        return SPECULATIVE_TOKENS
+    padded = manifest.paged is not None and manifest.paged.lone_token_padded
+    return SPECULATIVE_TOKENS if padded and steps_round_alike is not None and steps_round_alike() else 0
 
 
 @dataclass(frozen=True)
@@ -164,8 +170,12 @@ class Engine:
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalText] = {}
         self._utilization_sum, self._steps = 0.0, 0
-        self.speculative_tokens = default_speculative_tokens(self.manifest) if speculative_tokens is None \
-            else speculative_tokens
+        single = getattr(self.decoder, "single", None)  # the whole graph, where the backend has one
+        self.speculative_tokens = speculative_tokens if speculative_tokens is not None else \
+            default_speculative_tokens(self.manifest, single and single.steps_round_alike)
+        # Beside other requests a step with a guess runs on the segments, whose attention rounds
+        # unlike the whole graph's: exact enough for fp32 linear layers only.
+        self._guess_beside_others = linears_in_fp32(self.manifest)
         self._lookups: dict[str, PromptLookup] = {}  # requests that may speculate
         self._drafted = self._accepted = 0
 
@@ -274,7 +284,8 @@ class Engine:
             if lookup is not None and room > 0 and chunk.count == 1 and chunk.start == len(request.token_ids) - 1:
                 # Guesses past the request's last token would be generated for nothing.
                 limit = min(self.speculative_tokens, room, self._budget(request) - len(request.output_ids) - 1)
-                draft = lookup.propose(limit) if len(chunks) == 1 else lookup.likely(limit)
+                draft = lookup.propose(limit) if len(chunks) == 1 else \
+                    lookup.likely(limit) if self._guess_beside_others else []
                 chunk = self.scheduler.with_draft(chunk, draft) if draft else chunk
                 room -= len(chunk.draft)
             drafted.append(chunk)

@@ -45,7 +45,7 @@ class WholeGraph:
         session: the engine's single-sequence graph, opened.
         pool: the KV pool, [layer and part, block, kv head, slot, head dim] (layers and parts in
             `_names`' order), which this path writes back into.
-        capacity: the buffers' positions (max_seq_len).
+        capacity: the buffers' positions (max_seq_len, plus one for a lone token's padding row).
         max_rows: the most sequences a decode step may run here (the engine's max batch).
         allocate: makes a zeroed array whose pages are mapped on first write.
         eager: store each step's keys and values at once (a model with attention windows: the
@@ -126,16 +126,7 @@ class WholeGraph:
         if len(tokens) == batch.num_seqs:  # decodes: a token per sequence
             logits = self._run_decode(tokens, positions, seats, totals, seats[rows], used)
         else:  # one sequence's prompt (or part of it)
-            binding = self._binding
-            self._decode_bound = None  # these inputs replace the decode arrays
-            binding.bind_cpu_input("input_ids", tokens[None])
-            binding.bind_cpu_input("position_ids", positions[None])
-            binding.bind_cpu_input("seqlens_k", (totals - 1).astype(np.int32))
-            binding.bind_cpu_input("total_sequence_length", np.array(totals[0], np.int32))
-            binding.bind_cpu_input("logits_rows", np.asarray(rows, np.int64))
-            binding.bind_output("logits")  # again: a bound output keeps the last run's shape
-            self.session.run_with_iobinding(binding)
-            logits = binding.get_outputs()[0].numpy()[0]
+            logits = self._run_tokens(tokens, positions, int(totals[0]), rows)
         for seat, table in zip(seats.tolist(), tables):
             self._tables[seat] = table
         self._held[seats] = totals
@@ -144,6 +135,36 @@ class WholeGraph:
         if self.eager:
             self.flush(seats)
         return logits
+
+    def steps_round_alike(self) -> bool:
+        """Whether a sequence's logits come out bit for bit the same however its tokens are cut
+        into steps of one to eight (the lowering's padding row, and linear layers that compute
+        each row alone, as MatMulNBits does for blocks of up to 32 on x86-64): checked on row 0
+        with a made-up sequence, since it depends on onnxruntime's kernels for this CPU."""
+        self._release(range(self.rows))
+        self._bind(1)
+        tokens, length = np.arange(1, 9, dtype=np.int64), 8
+        cuts = [(0, length), (0, 1, 3, 8), (0, 4, 7, 8), (0, 2, 7, 8)]
+        runs = []
+        for cut in cuts:
+            runs.append(np.concatenate([
+                self._run_tokens(tokens[start:end], np.arange(start, end), end, np.arange(end - start))
+                for start, end in zip(cut, cut[1:])]))
+        self.invalidate()  # row 0 holds the made-up sequence: nothing to write back
+        return all(np.array_equal(runs[0], run) for run in runs[1:])
+
+    def _run_tokens(self, tokens: np.ndarray, positions: np.ndarray, total: int, rows) -> np.ndarray:
+        """One sequence's `tokens` in row 0, which then holds `total` positions; the logits of `rows`."""
+        binding = self._binding
+        self._decode_bound = None  # these inputs replace the decode arrays
+        binding.bind_cpu_input("input_ids", tokens[None])
+        binding.bind_cpu_input("position_ids", positions[None])
+        binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
+        binding.bind_cpu_input("logits_rows", np.asarray(rows, np.int64))
+        binding.bind_output("logits")  # again: a bound output keeps the last run's shape
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[0]
 
     def _release(self, rows) -> None:
         """Rows no sequence holds any more: what they hold goes to the pool first."""
