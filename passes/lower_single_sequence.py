@@ -19,6 +19,8 @@ Input: the graph the paged lowering takes (level 2, 3-D Attention nodes reading
              seqlens_k [sequences] int32             positions each holds after the step, minus one
              total_sequence_length [] int32          the most positions one holds after the step
              logits_rows [rows]                      which of the step's tokens get logits
+             padding_rows [1]                        (with pad_lone_token) 1: a padding row for
+                                                     the step's one token, else 0
     outputs  logits [1, rows, vocab]
              present.{i}.key|value                   the same buffer (bound to the same memory)
 
@@ -32,15 +34,17 @@ gets query, key and value apart. Around the op the packed tokens are reshaped to
 [sequences, tokens each, width] and back (no copy). A layer's window becomes local_window_size (the keys a query
 sees, its own included, as the paged op counts them) and the Attention's softcap carries over.
 
-With `pad_lone_token`, a step of a single token gives the op a second, zero row (its output sliced off; its keys and
-values land one position past the sequence's, where the next step writes): onnxruntime computes
-a lone query row with another matrix kernel than two or more, whose rounding differs (2.7e-7 in
-the attention output), while rows of two or more come out bit for bit the same however many
-there are. So a sequence's logits do not depend on how many tokens its steps held, which keeps
-speculative decoding (runtime/prompt_lookup.py) exact on engines whose linear layers quantize
-their input (MatMulNBits' int8 compute turns such rounding into different codes, then different
-tokens). The buffer and the rotary tables then hold one position more than `positions`. Where
-linear layers are fp32 MatMuls, which round a lone row differently too, it is left out.
+With `pad_lone_token`, a step of a single token gives the op a second, zero row when the
+`padding_rows` input asks (its output sliced off; its keys and values land one position past the
+sequence's, where the next step writes). onnxruntime computes a lone query row with another
+matrix kernel than two or more, whose rounding differs (2.7e-7 in the attention output), while
+rows of two or more come out bit for bit the same however many there are. So a padded sequence's
+logits do not depend on how many tokens its steps held, which keeps speculative decoding
+(runtime/prompt_lookup.py) exact on engines whose linear layers quantize their input
+(MatMulNBits' int8 compute turns such rounding into different codes, then different tokens);
+a request that samples runs unpadded. The buffer and the rotary tables then hold one
+position more than `positions`. Where linear layers are fp32 MatMuls, which round a lone row
+differently too, it is left out.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ SEQUENCES_SHAPE = "single.sequences_shape"  # [sequences, -1, 0]: the step's tok
 PACKED_SHAPE = "single.packed_shape"  # [1, -1, 0]: back to the rest of the graph's packed tokens
 TOKENS = "single.tokens"  # [1]: the step's tokens, all sequences'
 PADS = "single.pads"  # the Pad that gives a lone token a second row: [0, 0, 0, 0, 1 or 0, 0]
+PADDING_ROWS = "padding_rows"  # the input that asks for it
 PADDED_SEQLENS, PADDED_TOTAL = "single.seqlens_k", "single.total_sequence_length"  # counting that row
 
 
@@ -76,10 +81,9 @@ class LowerSingleSequence(Pass):
             windows: each layer's attention window, 0 for full attention; None: all full.
             positions: the most positions a sequence reaches (the rotary tables' length); None
                 leaves rotary embedding out of the attention op.
-            pad_lone_token: give a step of one token a padding row (module docstring). It costs
-                a one-token step ~5% (25M Llama: the op's two-row path, the Pad and the Slice),
-                for nothing where the linear layers round a lone row differently anyway (fp32
-                MatMul).
+            pad_lone_token: the `padding_rows` input (module docstring). A padded step of one
+                token costs 10-20% more (25M Llama int4: the op's two-row path), and is of no
+                use where the linear layers round a lone row differently anyway (fp32 MatMul).
         """
         self.windows = None if windows is None else tuple(windows)
         self.positions = positions
@@ -147,7 +151,7 @@ class LowerSingleSequence(Pass):
                                               name=f"{attention.output[0]}/Reshape"))
         nodes[:0] = self._step_shapes(pad)
         constants = [("single.tokens_width", [-1, 0]), (PACKED_SHAPE, [1, -1, 0])]
-        constants += [("single.zero", [0]), ("single.one", [1]), ("single.two", [2]), ("single.no_pads", [0, 0, 0, 0])] \
+        constants += [("single.zero", [0]), ("single.one", [1]), ("single.no_pads", [0, 0, 0, 0])] \
             if pad else []
         model.graph.initializer.extend(numpy_helper.from_array(np.array(value, np.int64), name) for name, value in constants)
         del model.graph.node[:]
@@ -163,6 +167,7 @@ class LowerSingleSequence(Pass):
                        for layer in range(layers) for part in ("key", "value")]
         new_inputs += [value("seqlens_k", TensorProto.INT32, ["sequences"]), value("total_sequence_length", TensorProto.INT32, []),
                        value("logits_rows", TensorProto.INT64, ["rows"])]
+        new_inputs += [value(PADDING_ROWS, TensorProto.INT64, [1])] if pad else []
         outputs = [value("logits", dtype, [1, "rows", vocab])]
         outputs += [value(f"present.{layer}.{part}", dtype, buffer) for layer in range(layers) for part in ("key", "value")]
         del model.graph.input[:]
@@ -182,7 +187,7 @@ class LowerSingleSequence(Pass):
         """The nodes every layer's reshapes read (SEQUENCES_SHAPE) and, where `padded`, its
         padding: TOKENS, PADS and the op's sequence lengths counting the padding row."""
         node = helper.make_node
-        pad = "single.pad"  # [1]: 1 when the step holds a single token, else 0
+        pad = PADDING_ROWS
         shapes = [node("Shape", ["seqlens_k"], ["single.sequences"], name="single.sequences/Shape"),
                   node("Concat", ["single.sequences", "single.tokens_width"], [SEQUENCES_SHAPE],
                        name=f"{SEQUENCES_SHAPE}/Concat", axis=0)]
@@ -190,8 +195,6 @@ class LowerSingleSequence(Pass):
             return shapes
         return shapes + [
             node("Shape", ["input_ids"], [TOKENS], name=f"{TOKENS}/Shape", start=1, end=2),
-            node("Less", [TOKENS, "single.two"], ["single.lone"], name="single.lone/Less"),
-            node("Cast", ["single.lone"], [pad], name=f"{pad}/Cast", to=TensorProto.INT64),
             node("Concat", ["single.no_pads", pad, "single.zero"], [PADS], name=f"{PADS}/Concat", axis=0),
             node("Cast", [pad], [f"{pad}/int32"], name=f"{pad}/CastInt32", to=TensorProto.INT32),
             node("Add", ["seqlens_k", f"{pad}/int32"], [PADDED_SEQLENS], name=f"{PADDED_SEQLENS}/Add"),

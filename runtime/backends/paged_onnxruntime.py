@@ -184,13 +184,14 @@ class PagedDecoder:
         return self._attention, self._sessions
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
-             rows: np.ndarray | None = None) -> np.ndarray:
+             rows: np.ndarray | None = None, exact: bool = False) -> np.ndarray:
         """Run one packed step; stores its keys and values; returns the logits of the packed
-        `rows` (default: each sequence's last token)."""
+        `rows` (default: each sequence's last token). `exact`: the sequence's logits must not
+        depend on how its tokens are cut into steps (a greedy request, `WholeGraph.step`)."""
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
         self._whole = self.single is not None and self.single.runs(batch, len(tokens))
         if self._whole:
-            return self.single.step(tokens, positions, batch, rows)
+            return self.single.step(tokens, positions, batch, rows, exact)
         if self.single is not None:
             self.single.flush()  # the segments read the pool
         attention, sessions = self._segmented()

@@ -119,9 +119,10 @@ class TensorRTDecoder:
         them (see `PagedDecoder.keep`); nothing to undo."""
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
-             rows: np.ndarray | None = None) -> np.ndarray:
+             rows: np.ndarray | None = None, exact: bool = False) -> np.ndarray:
         """Run one packed step; stores its keys and values; returns the logits of the packed
-        `rows` (default: each sequence's last token), [rows, vocab] float32 on the host."""
+        `rows` (default: each sequence's last token), [rows, vocab] float32 on the host.
+        `exact` is the CPU decoder's (its whole graph's padding row); nothing here pads."""
         torch = self.torch
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
         feeds = {"input_ids": tokens[None], "position_ids": positions[None], "block_tables": batch.block_tables,

@@ -65,6 +65,7 @@ class WholeGraph:
         # rewritten in place: binding fresh ones and collecting every output cost 10-20% of a
         # small model's batch-1 decode step, and ~0.1 ms of a 16-sequence one.
         self._vocab = session.get_outputs()[0].shape[-1]  # fixed: the lowering declares it
+        self.pads = any(i.name == "padding_rows" for i in session.get_inputs())  # a lone token's padding row
         self._decodes: dict[tuple[int, int], tuple[dict, dict]] = {}
         self._decode_bound: tuple[int, int] | None = None  # the shape whose arrays the binding holds
         self._tables: list[np.ndarray | None] = []
@@ -108,9 +109,12 @@ class WholeGraph:
                     self._held[row] = min(self._held[row], int(hit.argmax()) * self.block_size)
                     self._stored[row] = min(self._stored[row], self._held[row])
 
-    def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray) -> np.ndarray:
+    def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray,
+             exact: bool = False) -> np.ndarray:
         """Run one step (see `runs`); returns the logits of the packed `rows`. Its keys and values
-        reach the pool when it is next flushed (at once when `eager`)."""
+        reach the pool when it is next flushed (at once when `eager`). `exact`: a lone token gets
+        the graph's padding row, where it has one (passes/lower_single_sequence.py)."""
+        pad = int(exact and self.pads and len(tokens) == 1)
         pasts, tables = np.asarray(batch.context_lens, np.int64), np.asarray(batch.block_tables)
         starts = np.asarray(batch.query_start_loc)
         totals = pasts + (starts[1:] - starts[:-1])
@@ -124,9 +128,9 @@ class WholeGraph:
             used = int(seats.max()) + 1
         self._bind(used)
         if len(tokens) == batch.num_seqs:  # decodes: a token per sequence
-            logits = self._run_decode(tokens, positions, seats, totals, seats[rows], used)
+            logits = self._run_decode(tokens, positions, seats, totals, seats[rows], used, pad)
         else:  # one sequence's prompt (or part of it)
-            logits = self._run_tokens(tokens, positions, int(totals[0]), rows)
+            logits = self._run_tokens(tokens, positions, int(totals[0]), rows, pad)
         for seat, table in zip(seats.tolist(), tables):
             self._tables[seat] = table
         self._held[seats] = totals
@@ -148,13 +152,14 @@ class WholeGraph:
         runs = []
         for cut in cuts:
             runs.append(np.concatenate([
-                self._run_tokens(tokens[start:end], np.arange(start, end), end, np.arange(end - start))
+                self._run_tokens(tokens[start:end], np.arange(start, end), end, np.arange(end - start), pad=1)
                 for start, end in zip(cut, cut[1:])]))
         self.invalidate()  # row 0 holds the made-up sequence: nothing to write back
         return all(np.array_equal(runs[0], run) for run in runs[1:])
 
-    def _run_tokens(self, tokens: np.ndarray, positions: np.ndarray, total: int, rows) -> np.ndarray:
-        """One sequence's `tokens` in row 0, which then holds `total` positions; the logits of `rows`."""
+    def _run_tokens(self, tokens: np.ndarray, positions: np.ndarray, total: int, rows, pad: int = 0) -> np.ndarray:
+        """One sequence's `tokens` in row 0, which then holds `total` positions; the logits of
+        `rows`. `pad`: 1 for the padding row (a lone token's, on a graph that has one)."""
         binding = self._binding
         self._decode_bound = None  # these inputs replace the decode arrays
         binding.bind_cpu_input("input_ids", tokens[None])
@@ -162,6 +167,8 @@ class WholeGraph:
         binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
         binding.bind_cpu_input("logits_rows", np.asarray(rows, np.int64))
+        if self.pads:
+            binding.bind_cpu_input("padding_rows", np.array([pad], np.int64))
         binding.bind_output("logits")  # again: a bound output keeps the last run's shape
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()[0]
@@ -277,7 +284,7 @@ class WholeGraph:
         self._bound_rows = rows
 
     def _run_decode(self, tokens: np.ndarray, positions: np.ndarray, seats: np.ndarray, totals: np.ndarray,
-                    logits_rows: np.ndarray, used: int) -> np.ndarray:
+                    logits_rows: np.ndarray, used: int, pad: int) -> np.ndarray:
         """A new token for each sequence, in its seat, through the arrays bound for this shape;
         an empty seat decodes a throw-away token at position 0."""
         shape = (used, len(logits_rows))
@@ -285,6 +292,7 @@ class WholeGraph:
             arrays = {"input_ids": np.zeros((1, used), np.int64), "position_ids": np.zeros((1, used), np.int64),
                       "seqlens_k": np.zeros(used, np.int32), "total_sequence_length": np.zeros((), np.int32),
                       "logits_rows": np.zeros(len(logits_rows), np.int64),
+                      **({"padding_rows": np.zeros(1, np.int64)} if self.pads else {}),
                       "logits": np.zeros((1, len(logits_rows), self._vocab), np.float32)}
             self._decodes[shape] = arrays, {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in arrays.items()}
         arrays, values = self._decodes[shape]
@@ -295,6 +303,8 @@ class WholeGraph:
         arrays["seqlens_k"][seats] = totals - 1
         arrays["total_sequence_length"][()] = totals.max()
         arrays["logits_rows"][:] = logits_rows
+        if self.pads:
+            arrays["padding_rows"][0] = pad
         if self._decode_bound != shape:
             for name, value in values.items():
                 if name == "logits":

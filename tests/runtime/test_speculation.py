@@ -228,6 +228,6 @@ def test_the_padded_graph_gives_a_lone_token_the_logits_of_a_longer_step(weight_
     tokens = np.array([5, 9, 2, 7, 7, 1], np.int64)
     whole._bind(1)
     at_once = whole._run_tokens(tokens, np.arange(6), 6, np.arange(6))
-    one_by_one = np.concatenate([whole._run_tokens(tokens[i:i + 1], np.arange(i, i + 1), i + 1, [0]) for i in range(6)])
-    assert np.array_equal(at_once, one_by_one)
+    one_by_one = [whole._run_tokens(tokens[i:i + 1], np.arange(i, i + 1), i + 1, [0], pad=1) for i in range(6)]
+    assert np.array_equal(at_once, np.concatenate(one_by_one))
     whole.invalidate()
