@@ -42,7 +42,7 @@ rows of two or more come out bit for bit the same however many there are. So a p
 logits do not depend on how many tokens its steps held, which keeps speculative decoding
 (runtime/prompt_lookup.py) exact on engines whose linear layers quantize their input
 (MatMulNBits' int8 compute turns such rounding into different codes, then different tokens);
-a request that samples runs unpadded. The buffer and the rotary tables then hold one
+a request that does not guess runs unpadded. The buffer and the rotary tables then hold one
 position more than `positions`. Where linear layers are fp32 MatMuls, which round a lone row
 differently too, it is left out.
 """

@@ -315,9 +315,9 @@ class Engine:
                 rows = np.concatenate([np.arange(end - 1 - len(c.draft), end) for c, end in zip(chunks, packed[1:])])
         self._utilization_sum += self.blocks.utilization
         self._steps += 1
-        # A greedy request alone in its step: its output must not depend on how guesses (or none,
-        # with speculation off) cut its steps.
-        exact = len(chunks) == 1 and is_argmax(chunks[0].request.params)
+        # A request that may guess, alone in its step: its output must not depend on how its
+        # guesses cut its steps. (Any other runs as it always has: the padding costs a step.)
+        exact = len(chunks) == 1 and chunks[0].request.request_id in self._lookups
         return self.decoder.step(tokens, positions, PagedBatch(block_tables, starts, packed), rows, exact)
 
     def _postprocess(self, chunks: list[Chunk], logits: np.ndarray) -> list[RequestOutput]:

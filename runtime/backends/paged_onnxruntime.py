@@ -187,7 +187,7 @@ class PagedDecoder:
              rows: np.ndarray | None = None, exact: bool = False) -> np.ndarray:
         """Run one packed step; stores its keys and values; returns the logits of the packed
         `rows` (default: each sequence's last token). `exact`: the sequence's logits must not
-        depend on how its tokens are cut into steps (a greedy request, `WholeGraph.step`)."""
+        depend on how its tokens are cut into steps (a request that guesses, `WholeGraph.step`)."""
         rows = batch.query_start_loc[1:] - 1 if rows is None else rows
         self._whole = self.single is not None and self.single.runs(batch, len(tokens))
         if self._whole:
