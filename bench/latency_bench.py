@@ -33,7 +33,10 @@ alternating too), so that both see the same machine; each uses 2 threads (`--thr
                       asking general questions, greedy, up to 128 new tokens, stopping at EOS; one
                       at a time. Decode rate over all of them (tokens after each first ÷ their
                       time), llmc with and without speculation; and how many of the 12 outputs are
-                      token for token genai's
+                      token for token genai's. (An int4 request that may guess runs its lone tokens
+                      with a padding row, one token a step without: their outputs differ by that
+                      rounding; tests/runtime/test_speculation.py checks guessing against one token
+                      a step padded alike.)
 
 Prompts are fresh random token ids in every request and run (ids ≥ 260, no special tokens; no
 prefix can be cached), EOS ignored (llmc: ignore_eos; genai: min_length = max_length). Rates and
@@ -555,7 +558,8 @@ def render(result: dict[str, Any]) -> str:
         if agreement:
             lines.append(f"real text, {precision}: {agreement['same_as_genai']} of {agreement['prompts']} greedy outputs "
                          f"token for token genai's ({agreement['llmc_tokens']} vs {agreement['genai_tokens']} tokens); "
-                         f"speculation left {agreement['speculation_unchanged']} of {agreement['prompts']} unchanged")
+                         f"{agreement['speculation_unchanged']} of {agreement['prompts']} the same as one token a step"
+                         + (" (which runs without the padding row: other rounding)" if precision != "fp32" else ""))
     peak = {s: _median([r["peak_rss_mib"] for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
     lines.append(f"peak resident (VmHWM) of an fp32 run (MiB): llmc {peak['llmc']}, genai {peak['genai']}")
     lines += [f"FAILED build: {what}: {error}" for what, error in result["build_errors"].items()]
