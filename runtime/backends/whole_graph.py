@@ -37,6 +37,10 @@ import onnxruntime as ort
 
 from llmc.plugins.paged_attention import PagedBatch
 
+# Steps of one sequence up to this many tokens (a decode with its guesses) run through arrays
+# bound once per shape; a longer one (a prompt) binds its inputs for the call.
+SHORT_STEP = 8
+
 
 class WholeGraph:
     """The single-sequence session and its key/value buffers.
@@ -61,13 +65,10 @@ class WholeGraph:
         self._names = [(layer, part) for layer in range(layers) for part in ("key", "value")]  # the pool's order
         self._binding = session.io_binding()
         self._binding.bind_output("logits")  # first: get_outputs()[0]
-        # A decode's inputs and logits live in arrays bound once per shape (rows, sequences) and
-        # rewritten in place: binding fresh ones and collecting every output cost 10-20% of a
-        # small model's batch-1 decode step, and ~0.1 ms of a 16-sequence one.
         self._vocab = session.get_outputs()[0].shape[-1]  # fixed: the lowering declares it
         self.pads = any(i.name == "padding_rows" for i in session.get_inputs())  # a lone token's padding row
-        self._decodes: dict[tuple[int, int], tuple[dict, dict]] = {}
-        self._decode_bound: tuple[int, int] | None = None  # the shape whose arrays the binding holds
+        self._shapes: dict[tuple[int, int, int], tuple[dict, dict]] = {}  # see `_arrays`
+        self._bound_shape: tuple[int, int, int] | None = None  # the shape whose arrays the binding holds
         self._tables: list[np.ndarray | None] = []
         self._grow(1)
 
@@ -160,8 +161,13 @@ class WholeGraph:
     def _run_tokens(self, tokens: np.ndarray, positions: np.ndarray, total: int, rows, pad: int = 0) -> np.ndarray:
         """One sequence's `tokens` in row 0, which then holds `total` positions; the logits of
         `rows`. `pad`: 1 for the padding row (a lone token's, on a graph that has one)."""
+        if len(tokens) <= SHORT_STEP:  # a request's guesses: the arrays bound for this shape
+            arrays = self._arrays(len(tokens), 1, len(rows))
+            arrays["input_ids"][0], arrays["position_ids"][0] = tokens, positions
+            arrays["seqlens_k"][0], arrays["total_sequence_length"][()] = total - 1, total
+            return self._run_arrays(arrays, rows, pad)
         binding = self._binding
-        self._decode_bound = None  # these inputs replace the decode arrays
+        self._bound_shape = None  # these inputs replace the bound arrays
         binding.bind_cpu_input("input_ids", tokens[None])
         binding.bind_cpu_input("position_ids", positions[None])
         binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
@@ -285,32 +291,43 @@ class WholeGraph:
 
     def _run_decode(self, tokens: np.ndarray, positions: np.ndarray, seats: np.ndarray, totals: np.ndarray,
                     logits_rows: np.ndarray, used: int, pad: int) -> np.ndarray:
-        """A new token for each sequence, in its seat, through the arrays bound for this shape;
-        an empty seat decodes a throw-away token at position 0."""
-        shape = (used, len(logits_rows))
-        if shape not in self._decodes:
-            arrays = {"input_ids": np.zeros((1, used), np.int64), "position_ids": np.zeros((1, used), np.int64),
-                      "seqlens_k": np.zeros(used, np.int32), "total_sequence_length": np.zeros((), np.int32),
-                      "logits_rows": np.zeros(len(logits_rows), np.int64),
-                      **({"padding_rows": np.zeros(1, np.int64)} if self.pads else {}),
-                      "logits": np.zeros((1, len(logits_rows), self._vocab), np.float32)}
-            self._decodes[shape] = arrays, {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in arrays.items()}
-        arrays, values = self._decodes[shape]
+        """A new token for each sequence, in its seat; an empty seat decodes a throw-away token
+        at position 0."""
+        arrays = self._arrays(used, used, len(logits_rows))
         if len(seats) < used:  # seats between the sequences' are empty
             for name in ("input_ids", "position_ids", "seqlens_k"):
                 arrays[name].fill(0)
         arrays["input_ids"][0, seats], arrays["position_ids"][0, seats] = tokens, positions
         arrays["seqlens_k"][seats] = totals - 1
         arrays["total_sequence_length"][()] = totals.max()
-        arrays["logits_rows"][:] = logits_rows
-        if self.pads:
-            arrays["padding_rows"][0] = pad
-        if self._decode_bound != shape:
+        return self._run_arrays(arrays, logits_rows, pad)
+
+    def _arrays(self, tokens: int, sequences: int, rows: int) -> dict[str, np.ndarray]:
+        """The inputs and logits of a step of this shape: arrays made and bound once per shape and
+        rewritten in place (binding fresh ones and collecting every output, the presents
+        included, cost 10-20% of a small model's batch-1 decode step, and ~0.1 ms of a
+        16-sequence one)."""
+        shape = (tokens, sequences, rows)
+        if shape not in self._shapes:
+            arrays = {"input_ids": np.zeros((1, tokens), np.int64), "position_ids": np.zeros((1, tokens), np.int64),
+                      "seqlens_k": np.zeros(sequences, np.int32), "total_sequence_length": np.zeros((), np.int32),
+                      "logits_rows": np.zeros(rows, np.int64),
+                      **({"padding_rows": np.zeros(1, np.int64)} if self.pads else {}),
+                      "logits": np.zeros((1, rows, self._vocab), np.float32)}
+            self._shapes[shape] = arrays, {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in arrays.items()}
+        arrays, values = self._shapes[shape]
+        if self._bound_shape != shape:
             for name, value in values.items():
                 if name == "logits":
                     self._binding.bind_ortvalue_output(name, value)
                 else:
                     self._binding.bind_ortvalue_input(name, value)
-            self._decode_bound = shape
+            self._bound_shape = shape
+        return arrays
+
+    def _run_arrays(self, arrays: dict[str, np.ndarray], logits_rows, pad: int) -> np.ndarray:
+        arrays["logits_rows"][:] = logits_rows
+        if self.pads:
+            arrays["padding_rows"][0] = pad
         self.session.run_with_iobinding(self._binding)
-        return arrays["logits"][0].copy()  # the array is the next decode's too
+        return arrays["logits"][0].copy()  # the array is the next step's of this shape too
