@@ -234,3 +234,17 @@ def test_the_padded_graph_gives_a_lone_token_the_logits_of_a_longer_step(weight_
     one_by_one = [whole._run_tokens(tokens[i:i + 1], np.arange(i, i + 1), i + 1, [0], pad=1) for i in range(6)]
     assert np.array_equal(at_once, np.concatenate(one_by_one))
     whole.invalidate()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="onnxruntime's x86-64 int4 kernels")
+def test_int4_blocks_of_128_round_rows_by_their_count_so_such_an_engine_does_not_guess(tiny_llama_onnx, tmp_path):
+    """MatMulNBits with int4 blocks of 128 gives a row other bits in a step of more rows (measured:
+    blocks of 16 and 32 do not): the load-time check finds it, and guessing stays off."""
+    from llmc.compiler.build import compile_model
+    from llmc.precision.plan import PrecisionOptions
+
+    path = tmp_path / "int4-128.plan"
+    compile_model(tiny_llama_onnx, path, precision=PrecisionOptions(weights="int4", weights_block_size=128, force=True))
+    engine = Engine(path, kv_pool_mb=4)
+    assert engine.manifest.paged.lone_token_padded
+    assert engine.speculative_tokens == 0 and not engine.decoder.single.steps_round_alike()
