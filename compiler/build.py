@@ -174,7 +174,6 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     weights = engine_weights(model, *([single] if single is not None else []))
     if paged_entry is not None:
         paged_entry["single_sequence"] = single and SINGLE_SEQUENCE_SECTION
-        paged_entry["lone_token_padded"] = single is not None and weight_only
         paged_entry["segments"], payload = segment_sections(model)
         if single is not None:
             payload[SINGLE_SEQUENCE_SECTION] = single.SerializeToString()

@@ -81,9 +81,6 @@ class PagedLayout:
     # The section of the whole graph for steps of one sequence (passes/lower_single_sequence.py);
     # None where the engine has none (older engines, float16 pools).
     single_sequence: str | None = None
-    # Whether that graph runs a lone token's attention as two rows (a padding row), so that a
-    # sequence's logits do not depend on how many tokens its steps held (older engines: no).
-    lone_token_padded: bool = False
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,7 @@ def default_speculative_tokens(manifest, steps_round_alike: Callable[[], bool] |
     user's choice."""
     if linears_in_fp32(manifest):
         return SPECULATIVE_TOKENS
-    padded = manifest.paged is not None and manifest.paged.lone_token_padded
-    return SPECULATIVE_TOKENS if padded and steps_round_alike is not None and steps_round_alike() else 0
+    return SPECULATIVE_TOKENS if steps_round_alike is not None and steps_round_alike() else 0
 
 
 @dataclass(frozen=True)

@@ -151,9 +151,8 @@ class PagedDecoder:
                                    geometry.head_dim), paged.kv_dtype)
         self.pools = {f"{part}_cache.{layer}": self.pool[2 * layer + i]  # what the sessions and kernel read
                       for layer in range(geometry.num_layers) for i, part in enumerate(("key", "value"))}
-        capacity = paged.max_seq_len + paged.lone_token_padded
         self.single = None if single is None else WholeGraph(
-            single, self.pool, capacity, paged.block_size, paged.max_batch, allocate_pool, eager=any(self.windows))
+            single, self.pool, paged.max_seq_len, paged.block_size, paged.max_batch, allocate_pool, eager=any(self.windows))
         self._whole = False  # whether the last step ran on the whole graph
 
     def _open(self, section: str):

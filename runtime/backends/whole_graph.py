@@ -49,7 +49,8 @@ class WholeGraph:
         session: the engine's single-sequence graph, opened.
         pool: the KV pool, [layer and part, block, kv head, slot, head dim] (layers and parts in
             `_names`' order), which this path writes back into.
-        capacity: the buffers' positions (max_seq_len, plus one for a lone token's padding row).
+        capacity: the positions a sequence may reach (max_seq_len); the buffers hold one more
+            where the graph has a padding row for a lone token (passes/lower_single_sequence.py).
         max_rows: the most sequences a decode step may run here (the engine's max batch).
         allocate: makes a zeroed array whose pages are mapped on first write.
         eager: store each step's keys and values at once (a model with attention windows: the
@@ -61,12 +62,12 @@ class WholeGraph:
                  max_rows: int, allocate, eager: bool = False):
         layers, kv_heads, head_dim, dtype = pool.shape[0] // 2, pool.shape[2], pool.shape[4], pool.dtype
         self.session, self.pool, self.block_size, self.max_rows, self.eager = session, pool, block_size, max_rows, eager
-        self._shape, self._dtype, self._allocate = (kv_heads, capacity, head_dim), dtype, allocate
+        self.pads = any(i.name == "padding_rows" for i in session.get_inputs())  # a lone token's padding row
+        self._shape, self._dtype, self._allocate = (kv_heads, capacity + self.pads, head_dim), dtype, allocate
         self._names = [(layer, part) for layer in range(layers) for part in ("key", "value")]  # the pool's order
         self._binding = session.io_binding()
         self._binding.bind_output("logits")  # first: get_outputs()[0]
         self._vocab = session.get_outputs()[0].shape[-1]  # fixed: the lowering declares it
-        self.pads = any(i.name == "padding_rows" for i in session.get_inputs())  # a lone token's padding row
         self._shapes: dict[tuple[int, int, int], tuple[dict, dict]] = {}  # see `_arrays`
         self._bound_shape: tuple[int, int, int] | None = None  # the shape whose arrays the binding holds
         self._tables: list[np.ndarray | None] = []

@@ -176,20 +176,14 @@ def test_a_negative_count_of_guesses_is_refused(tiny_llama_engine):
 def test_guessing_is_on_by_default_where_a_step_of_several_tokens_gives_each_its_logits():
     """fp32 linear layers: to float rounding. Weight-only ones quantize their input to int8, which
     turns any rounding into different codes now and then: there only an engine whose whole graph
-    pads a lone token, and whose check on this CPU finds bit-for-bit equal logits, guesses."""
-    padded = SimpleNamespace(lone_token_padded=True)
-    unpadded = SimpleNamespace(lone_token_padded=False)
-    cases = [(None, unpadded, None, True), ({"fp16": False, "linears": {"a": "fp32", "b": "fp32"}}, unpadded, None, True),
-             ({"fp16": True, "linears": {"a": "fp16"}}, unpadded, None, False),
-             ({"fp16": False, "linears": {"a": "int4", "b": "fp32"}}, unpadded, lambda: True, False),
-             ({"fp16": False, "linears": {"a": "int4", "b": "int8-weights"}}, unpadded, lambda: True, False),
-             ({"fp16": False, "linears": {"a": "int4", "b": "int8-weights"}}, padded, None, False),
-             ({"fp16": False, "linears": {"a": "int4", "b": "int8-weights"}}, padded, lambda: False, False),
-             ({"fp16": False, "linears": {"a": "int4", "b": "int8-weights"}}, padded, lambda: True, True),
-             ({"fp16": False, "linears": {"a": "int8"}}, unpadded, lambda: True, False)]
-    for precision, paged, check, on in cases:
-        manifest = SimpleNamespace(precision=precision, paged=paged)
-        assert default_speculative_tokens(manifest, check) == (SPECULATIVE_TOKENS if on else 0), (precision, paged)
+    gives bit-for-bit equal logits however the steps are cut, by its check on this CPU, guesses."""
+    weight_only = {"fp16": False, "linears": {"a": "int4", "b": "int8-weights"}}
+    cases = [(None, None, True), ({"fp16": False, "linears": {"a": "fp32", "b": "fp32"}}, None, True),
+             ({"fp16": True, "linears": {"a": "fp16"}}, None, False),
+             (weight_only, None, False), (weight_only, lambda: False, False), (weight_only, lambda: True, True)]
+    for precision, check, on in cases:
+        assert default_speculative_tokens(SimpleNamespace(precision=precision), check) == \
+            (SPECULATIVE_TOKENS if on else 0), precision
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
@@ -209,7 +203,7 @@ def test_a_weight_only_engine_guesses_alone_and_keeps_its_greedy_outputs_bit_for
     a step, padded the same way: a request that never guesses is not padded (its output is then
     that of engines before the padding, which rounds a lone token otherwise)."""
     guessing = Engine(weight_only_engine, kv_pool_mb=4)
-    assert guessing.manifest.paged.lone_token_padded and guessing.decoder.single.steps_round_alike()
+    assert guessing.decoder.single.pads and guessing.decoder.single.steps_round_alike()
     assert guessing.speculative_tokens == SPECULATIVE_TOKENS
     plain = Engine(weight_only_engine, kv_pool_mb=4)
     plain._with_drafts = lambda chunks: chunks  # never guesses
@@ -246,5 +240,5 @@ def test_int4_blocks_of_128_round_rows_by_their_count_so_such_an_engine_does_not
     path = tmp_path / "int4-128.plan"
     compile_model(tiny_llama_onnx, path, precision=PrecisionOptions(weights="int4", weights_block_size=128, force=True))
     engine = Engine(path, kv_pool_mb=4)
-    assert engine.manifest.paged.lone_token_padded
+    assert engine.decoder.single.pads
     assert engine.speculative_tokens == 0 and not engine.decoder.single.steps_round_alike()
