@@ -124,12 +124,11 @@ class LowerSingleSequence(Pass):
             # to two, and back.
             batched = [f"single.{layer}.{part}" if name else "" for part, name in zip("qkv", qkv)]
             for name, out in zip(qkv, batched):
-                if name and pad:
-                    nodes += [helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [f"{out}/unpadded"],
-                                               name=f"{out}/Reshape"),
-                              helper.make_node("Pad", [f"{out}/unpadded", PADS], [out], name=f"{out}/Pad")]
-                elif name:
-                    nodes.append(helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [out], name=f"{out}/Reshape"))
+                if name:
+                    reshaped = f"{out}/unpadded" if pad else out
+                    nodes.append(helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [reshaped], name=f"{out}/Reshape"))
+                    if pad:
+                        nodes.append(helper.make_node("Pad", [reshaped, PADS], [out], name=f"{out}/Pad"))
             attended = f"single.{layer}.attended"
             nodes.append(helper.make_node(
                 "GroupQueryAttention",
@@ -141,14 +140,11 @@ class LowerSingleSequence(Pass):
                 scale=float(head_dim ** -0.5 if scale is None else scale),
                 softcap=float(attr(attention, "softcap", 0.0)),
                 local_window_size=window if window else -1, do_rotary=int(packed is not None)))
-            if pad:
-                nodes += [helper.make_node("Reshape", [attended, PACKED_SHAPE], [f"{attended}/packed"],
-                                           name=f"{attended}/Reshape"),
-                          helper.make_node("Slice", [f"{attended}/packed", "single.zero", TOKENS, "single.one"],
-                                           [attention.output[0]], name=f"{attention.output[0]}/Slice")]
-            else:
-                nodes.append(helper.make_node("Reshape", [attended, PACKED_SHAPE], [attention.output[0]],
-                                              name=f"{attention.output[0]}/Reshape"))
+            repacked = f"{attended}/packed" if pad else attention.output[0]
+            nodes.append(helper.make_node("Reshape", [attended, PACKED_SHAPE], [repacked], name=f"{repacked}/Reshape"))
+            if pad:  # the padding row's output off
+                nodes.append(helper.make_node("Slice", [repacked, "single.zero", TOKENS, "single.one"],
+                                              [attention.output[0]], name=f"{attention.output[0]}/Slice"))
         nodes[:0] = self._step_shapes(pad)
         constants = [("single.tokens_width", [-1, 0]), (PACKED_SHAPE, [1, -1, 0])]
         constants += [("single.zero", [0]), ("single.one", [1]), ("single.no_pads", [0, 0, 0, 0])] \
