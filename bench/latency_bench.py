@@ -443,8 +443,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for system in order:
                 seed += 1  # fresh prompts in every run
                 job = {"system": system, "path": str(built["paths"][system][precision]), "threads": args.threads,
-                       "seed": seed, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens}
-                job.update(one_token_a_step=True)
+                       "seed": seed, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens,
+                       "one_token_a_step": True}
                 if precision == "fp32":
                     job.update(long_prompt=sizes.long_prompt, batch=sizes.batch)
                 if texts and precision != "int4-sym":
