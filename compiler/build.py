@@ -38,6 +38,9 @@ from llmc.tokenizer import Tokenizer
 BACKENDS = ("onnxruntime", "tensorrt")
 SINGLE_SEQUENCE_SECTION = "single_sequence.onnx"
 TOKENIZER_METADATA_KEY = "llmc.tokenizer"
+# TensorRT has no run-time int8 activation scales: the form its int8 engines give the layers that
+# get per-token scales on the CPU (precision/int8.py OUTLIER_FORMS).
+TENSORRT_OUTLIERS = "int8-weights"
 
 
 def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
@@ -103,7 +106,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if not precision.is_default:
         float_graph = None if large or not held_back else serialize(model)["model.onnx"]
         layers = {l.name: (l.node.input[0], l.node.output[0]) for l in linear_layers(model)}
-        precision_entry = apply_precision(model, precision, mixed, calibration, progress)
+        outliers = "per-token" if backend == "onnxruntime" else TENSORRT_OUTLIERS
+        precision_entry = apply_precision(model, precision, mixed, calibration, outliers=outliers, progress=progress)
         if backend == "onnxruntime":
             precision_entry["per_token_as_matmulnbits"] = lower_per_token_for_onnxruntime(model)
         refresh_shapes(model)  # the paged lowering reads ranks
@@ -114,7 +118,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
             accuracy = check_accuracy(float_graph, model, held_back, rewritten, max_ppl_increase=precision.max_ppl_increase,
                                     force=precision.force, half=_fp16_values(model),
                                     general_windows=general_text_windows(tok, g.vocab_size, g.max_positions),
-                                    progress=progress)
+                                    float_weight_products=backend == "tensorrt", progress=progress)
             precision_entry["accuracy"] = accuracy.to_dict()
         elif held_back:
             progress("accuracy not checked: the held-back comparison runs in memory, which models past 2 GB exceed")

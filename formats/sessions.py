@@ -39,19 +39,23 @@ def share_threads(threads: int | None = None) -> None:
 
 
 def session_options(threads: int | None = None, *, optimize: bool = True, alone: bool = False,
-                    once: bool = False) -> ort.SessionOptions:
+                    once: bool = False, float_weight_products: bool = False) -> ort.SessionOptions:
     """Options for an llmc session: `threads` intra-op threads (None: every core) that sleep
     between calls unless the session runs `alone` (no other session or kernel takes turns with
     it), or the shared pool when `share_threads` made one; `optimize=False` turns onnxruntime's
     graph optimizations off (every value keeps its name); `once` is for a session run once or
     twice (a check): its weights are not prepacked for faster MatMuls, which would cost more than
-    it saves (~0.5 s of building SmolLM2-135M's)."""
+    it saves (~0.5 s of building SmolLM2-135M's); `float_weight_products` computes a weight-only
+    product (DequantizeLinear on the weight → MatMul) with float activations, as TensorRT does,
+    where onnxruntime would otherwise fuse it into a MatMulNBits that rounds them to int8."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if not optimize:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if once:
         options.add_session_config_entry("session.disable_prepacking", "1")
+    if float_weight_products:
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     if _shared_threads is not None:
         options.use_per_session_threads = False
         return options

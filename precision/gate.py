@@ -85,6 +85,7 @@ def general_text_windows(tokenizer, vocab_size: int, max_positions: int) -> list
 def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarray],
                    layers: dict[str, tuple[str, str]], *, max_ppl_increase: float, force: bool,
                    half: frozenset[str] = frozenset(), general_windows: list[np.ndarray] = (),
+                   float_weight_products: bool = False,
                    progress: Callable[[str], None] = lambda message: None) -> GateReport:
     """Compare `model` (after the precision rewrite) with the float graph `reference` (its
     serialized bytes) on the held-back windows; raise past the limit unless `force`.
@@ -95,10 +96,12 @@ def check_accuracy(reference: bytes, model: onnx.ModelProto, held: list[np.ndarr
         half: the values `model` computes in fp16: those the float graph takes beyond fp16's range
             are named. onnxruntime's CPU kernels often compute them in fp32 anyway, so the engine
             may pass here and still overflow on a GPU: a warning when it passes.
+        float_weight_products: weight-only layers multiply float activations (TensorRT's
+            arithmetic), not int8-rounded ones (onnxruntime's MatMulNBits).
     """
     overflow = _overflow_hint(reference, held[0], half) if half else None
     float_session = _session(reference, optimized=False)
-    quantized = _session(serialize(model)["model.onnx"], optimized=True)
+    quantized = _session(serialize(model)["model.onnx"], optimized=True, float_weight_products=float_weight_products)
     tokens, (ppl_ref, ppl, increase), top1, kl = _compare(float_session, quantized, held, overflow)
     general = _compare(float_session, quantized, general_windows, overflow)[1][2] if len(general_windows) else None
     report = GateReport(tokens, ppl_ref, ppl, increase, top1, kl, max_ppl_increase, increase <= max_ppl_increase,
@@ -182,6 +185,7 @@ def _overflow_hint(reference: bytes, window: np.ndarray, half: frozenset[str]) -
             f"or keep the layers computing them in fp32 with a --precision-config rule")
 
 
-def _session(model_bytes: bytes, *, optimized: bool) -> ort.InferenceSession:
+def _session(model_bytes: bytes, *, optimized: bool, float_weight_products: bool = False) -> ort.InferenceSession:
     # Unoptimized keeps every value name, as the reference of `llmc check` does.
-    return open_session({"model.onnx": model_bytes}, session_options(optimize=optimized, alone=True))
+    return open_session({"model.onnx": model_bytes},
+                        session_options(optimize=optimized, alone=True, float_weight_products=float_weight_products))

@@ -18,6 +18,11 @@ for them leaves the other tokens a handful of levels. Measured there on real tex
 everywhere +10% perplexity (after smoothing), per-token down projections +0.5%
 (bench/RESULTS.md).
 
+TensorRT 11.4 has no run-time int8 activation scales (its dynamic quantization makes FP8 and FP4
+only), so for it those layers take another form (`OUTLIER_FORMS`, chosen by the caller):
+"int8-weights" keeps their activations in float and their weights int8 per channel (TensorRT's
+weight-only form: DequantizeLinear on the weight alone), "static" gives them static scales too.
+
 SmoothQuant moves activation outlier channels into the weights before quantizing. Where x, read
 only by these layers, can absorb a per-channel divisor s (a norm's output, the MLP's gate · up
 product, attention's output: precision/folding.py), x is divided by s and W's rows multiplied by
@@ -45,6 +50,7 @@ from llmc.precision.linears import Linear
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 0.9)
 SAMPLE_ROWS = 512  # calibration rows kept per activation to choose the smoothing strength on
 PER_TOKEN_ROLES = ("mlp.down",)
+OUTLIER_FORMS = ("per-token", "static", "int8-weights")  # how PER_TOKEN_ROLES are quantized
 PER_TOKEN_OPSET = 21  # blocked QuantizeLinear
 CPU_BLOCK = 32  # MatMulNBits' block along K for per-token layers on onnxruntime
 
@@ -55,18 +61,20 @@ class ActivationGroup:
     input: str
     layers: list[Linear]
     per_token: bool
+    quantized: bool = True           # False: the activation stays float, only the weights are int8
     alpha: float = 0.0
     smoothing: np.ndarray | None = None
     threshold: float | None = None   # static scale's |x| limit; None for per-token
     error: float = 0.0               # relative output error on the sampled rows, summed over layers
 
     def summary(self) -> dict:
-        return {"layers": [l.name for l in self.layers], "scale": "per-token" if self.per_token else "static",
+        scale = "per-token" if self.per_token else "static" if self.quantized else "float (int8 weights)"
+        return {"layers": [l.name for l in self.layers], "scale": scale,
                 "smoothquant_alpha": self.alpha, "threshold": self.threshold}
 
 
 def quantize_int8(model: onnx.ModelProto, linears: list[Linear], windows: list[np.ndarray], calibrator: str,
-                  *, smoothquant: float | None = None, dynamic: bool = False,
+                  *, smoothquant: float | None = None, dynamic: bool = False, outliers: str = "per-token",
                   progress: Callable[[str], None] = lambda message: None) -> list[ActivationGroup]:
     """Choose scales and write Q/DQ for `linears` in place; returns one entry per activation.
 
@@ -76,26 +84,28 @@ def quantize_int8(model: onnx.ModelProto, linears: list[Linear], windows: list[n
         smoothquant: None searches `ALPHAS`; 0 turns smoothing off; a value in (0, 1) is the
             only strength tried besides 0.
         dynamic: per-token scales for every activation.
+        outliers: the form of the layers in `PER_TOKEN_ROLES` when not dynamic (`OUTLIER_FORMS`).
     """
     groups = choose_scales(model, linears, windows, calibrator, smoothquant=smoothquant, dynamic=dynamic,
-                           progress=progress)
-    write_qdq(model, [l for g in groups for l in g.layers], {g.input: g.threshold for g in groups})
+                           outliers=outliers, progress=progress)
+    write_qdq(model, [l for g in groups for l in g.layers], {g.input: g.threshold for g in groups if g.quantized})
     return groups
 
 
 def choose_scales(model: onnx.ModelProto, linears: list[Linear], windows: list[np.ndarray], calibrator: str,
-                  *, smoothquant: float | None = None, dynamic: bool = False,
+                  *, smoothquant: float | None = None, dynamic: bool = False, outliers: str = "per-token",
                   progress: Callable[[str], None] = lambda message: None) -> list[ActivationGroup]:
     """Everything `quantize_int8` does but writing Q/DQ: smoothing is folded into `model` (the
-    float function is unchanged) and each group gets its threshold (None: per token)."""
+    float function is unchanged) and each group gets its threshold (None: per token, or not
+    quantized)."""
     if smoothquant is not None and not 0.0 <= smoothquant < 1.0:
         raise LlmcError(f"--smoothquant: alpha must be in [0, 1), got {smoothquant}")
-    groups = activation_groups(linears, dynamic)
+    groups = activation_groups(linears, dynamic, outliers)
     if any(g.per_token for g in groups) and _opset(model) < PER_TOKEN_OPSET:
         raise LlmcError(f"per-token int8 needs opset {PER_TOKEN_OPSET}; this graph imports opset "
                         f"{_opset(model)} (compile at the default level, which fuses attention into opset 23)")
     if not windows:
-        if not all(g.per_token for g in groups):
+        if any(g.quantized and not g.per_token for g in groups):
             raise LlmcError("static int8 needs calibration data: give --int8-calib DIR")
         return groups
     names = [g.input for g in groups]
@@ -103,21 +113,27 @@ def choose_scales(model: onnx.ModelProto, linears: list[Linear], windows: list[n
     alphas = ALPHAS if smoothquant is None else (0.0, smoothquant) if smoothquant else (0.0,)
     smoothed = choose_smoothing(model, groups, stats, alphas)
     progress(f"smoothquant: {smoothed} of {len(groups)} activations smoothed")
-    if calibrator != "minmax" and any(not g.per_token for g in groups):  # histograms of the smoothed values
+    if calibrator != "minmax" and any(g.quantized and not g.per_token for g in groups):  # histograms of the smoothed values
         stats = observe(model, windows, names, histograms=True, progress=progress)
     for g in groups:
-        if not g.per_token:
+        if g.quantized and not g.per_token:
             g.threshold = threshold(stats[g.input], calibrator)
     return groups
 
 
-def activation_groups(linears: list[Linear], dynamic: bool) -> list[ActivationGroup]:
+def activation_groups(linears: list[Linear], dynamic: bool, outliers: str = "per-token") -> list[ActivationGroup]:
     """Group `linears` by input, each with its activation scheme."""
+    if outliers not in OUTLIER_FORMS:
+        raise ValueError(f"outliers: {outliers!r} is not one of {OUTLIER_FORMS}")
     by_input: dict[str, list[Linear]] = {}
     for layer in linears:
         by_input.setdefault(layer.node.input[0], []).append(layer)
-    return [ActivationGroup(name, layers, dynamic or any(l.name.endswith(PER_TOKEN_ROLES) for l in layers))
-            for name, layers in by_input.items()]
+    groups = []
+    for name, layers in by_input.items():
+        outlier = any(l.name.endswith(PER_TOKEN_ROLES) for l in layers)
+        groups.append(ActivationGroup(name, layers, per_token=dynamic or (outlier and outliers == "per-token"),
+                                      quantized=dynamic or not outlier or outliers != "int8-weights"))
+    return groups
 
 
 def choose_smoothing(model: onnx.ModelProto, groups: list[ActivationGroup], stats: dict[str, TensorStats],
@@ -140,7 +156,8 @@ def choose_smoothing(model: onnx.ModelProto, groups: list[ActivationGroup], stat
         best = None
         for alpha in (alphas if target is not None else (0.0,)):
             scale = smoothing_scale(x_max, w_max, alpha)
-            error = output_error(rows, ws, scale, None if g.per_token else float((s.channel_absmax / scale).max()))
+            limit = None if g.per_token or not g.quantized else float((s.channel_absmax / scale).max())
+            error = output_error(rows, ws, scale, limit, quantize_activations=g.quantized)
             if best is None or error < best[0]:
                 best = (error, alpha, scale)
         g.error, g.alpha = best[0], best[1]
@@ -163,14 +180,15 @@ def smoothing_scale(x_max: np.ndarray, w_max: np.ndarray, alpha: float) -> np.nd
     return np.clip(s, 1e-3, 1e3).astype(np.float32)
 
 
-def output_error(rows: np.ndarray, weights: list[np.ndarray], smoothing: np.ndarray, limit: float | None) -> float:
+def output_error(rows: np.ndarray, weights: list[np.ndarray], smoothing: np.ndarray, limit: float | None,
+                 quantize_activations: bool = True) -> float:
     """Relative squared error of the quantized layers' outputs on `rows`, summed over the layers,
     with x divided by `smoothing` and W's rows multiplied by it; `limit` is the static |x|
-    threshold, None for per-token scales."""
+    threshold, None for per-token scales; without `quantize_activations` only W is quantized."""
     x = rows / smoothing
     steps = (np.float32(limit) if limit is not None else np.abs(x).max(axis=1, keepdims=True)) / 127.0
     steps = np.maximum(steps, 1e-12)
-    xq = np.clip(np.rint(x / steps), -127, 127) * steps
+    xq = np.clip(np.rint(x / steps), -127, 127) * steps if quantize_activations else x
     error = 0.0
     for w in weights:
         wq = quantize_weight(w * smoothing[:, None])[0]
@@ -187,7 +205,8 @@ def quantize_weight(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[str, float | None]) -> None:
-    """Insert the Q/DQ pairs (per tensor for a threshold, per token for None) and int8 weights."""
+    """Insert the Q/DQ pairs (per tensor for a threshold, per token for None) and int8 weights; a
+    layer whose input `thresholds` does not name keeps a float activation."""
     weights = {t.name: t for t in model.graph.initializer}
     added, nodes_before = [], {}
     rows = {l.node.input[0]: tensor_array(weights[l.node.input[1]]).shape[0] for l in linears}
@@ -221,7 +240,8 @@ def write_qdq(model: onnx.ModelProto, linears: list[Linear], thresholds: dict[st
         readers[weight] -= 1
         if readers[weight] == 0:
             drop.add(weight)
-        layer.node.input[0] = f"{layer.node.input[0]}.int8.dq"
+        if layer.node.input[0] in thresholds:
+            layer.node.input[0] = f"{layer.node.input[0]}.int8.dq"
         layer.node.input[1] = f"{prefix}.dq"
     # Place each activation's pair right after its producer, weights' DQ first: a valid order.
     order = list(dequantize)
@@ -295,7 +315,9 @@ def lower_per_token_for_onnxruntime(model: onnx.ModelProto) -> int:
         model.graph.initializer.extend([numpy_helper.from_array(stored, f"{prefix}.B"),
                                         numpy_helper.from_array(np.repeat(scale, blocks), f"{prefix}.scales")])
         node.op_type, node.domain = "MatMulNBits", contrib_ops.DOMAIN
-        node.input[:] = [x, f"{prefix}.B", f"{prefix}.scales"]
+        # The quantizer's input, not x itself: under --fp16, x may be computed in fp16 and cast
+        # to fp32 for the quantizer, and MatMulNBits' scales are fp32.
+        node.input[:] = [quantize.input[0], f"{prefix}.B", f"{prefix}.scales"]
         node.attribute.extend([helper.make_attribute("K", k), helper.make_attribute("N", n),
                                helper.make_attribute("bits", 8), helper.make_attribute("block_size", CPU_BLOCK),
                                helper.make_attribute("accuracy_level", 4)])

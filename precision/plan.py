@@ -157,9 +157,14 @@ def calibration_windows(options: PrecisionOptions, tokenizer, vocab_size: int,
 
 
 def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: MixedPrecision | None,
-                    calibration: list[np.ndarray],
+                    calibration: list[np.ndarray], outliers: str = "per-token",
                     progress: Callable[[str], None] = lambda message: None) -> dict:
-    """Rewrite the optimized graph in place; returns the manifest's "precision" entry."""
+    """Rewrite the optimized graph in place; returns the manifest's "precision" entry.
+
+    Args:
+        outliers: the form of the int8 layers whose activations carry token outliers
+            (precision/int8.py `OUTLIER_FORMS`): what the backend can run.
+    """
     linears = linear_layers(model)
     base = ("int8" if options.int8_calib else "int8-dynamic" if options.int8_dynamic
             else {"int8": "int8-weights", "int4": "int4"}.get(options.weights) or ("fp16" if options.fp16 else "fp32"))
@@ -212,9 +217,11 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
             progress(f"int8: calibrating {len(layers)} linear layers ({options.calibrator}) on "
                      f"{sum(len(w) for w in calibration)} tokens")
         groups = quantize_int8(model, layers, calibration, options.calibrator, smoothquant=options.smoothquant,
-                               dynamic=dynamic, progress=progress)
+                               dynamic=dynamic, outliers=outliers, progress=progress)
         per_token = sum(len(g.layers) for g in groups if g.per_token)
-        progress(f"{label}: {len(layers) - per_token} layers with static activation scales, {per_token} per-token")
+        weights_only = sum(len(g.layers) for g in groups if not g.quantized)
+        progress(f"{label}: {len(layers) - per_token - weights_only} layers with static activation scales, "
+                 f"{per_token} per-token" + (f", {weights_only} with float activations" if weights_only else ""))
         entry[label] = {"calibrator": options.calibrator, "calibration_tokens": int(sum(len(w) for w in calibration)),
                         "activations": [g.summary() for g in groups]}
     wants_half = options.fp16 or "fp16" in chosen.values() or "fp16" in op_rules.values()

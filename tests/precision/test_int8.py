@@ -10,6 +10,7 @@ import pytest
 from onnx import numpy_helper
 
 from llmc.formats.onnx_io import serialize, tensor_array
+from llmc.formats.sessions import open_session, session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import BINS, TensorStats, check_calibrator, entropy_bins, observe, prefill_feeds, threshold
 from llmc.precision.int8 import activation_groups, choose_smoothing, output_error, quantize_int8, write_qdq
@@ -167,3 +168,53 @@ def test_per_token_layers_become_matmulnbits_with_the_same_weights(level2):
     scale = np.abs(exact).max()
     assert np.abs(lowered - reference).max() < 0.02 * scale
     assert np.abs(lowered - exact).max() < 0.05 * scale
+
+
+@pytest.mark.parametrize("outliers", ["static", "int8-weights"])
+def test_outlier_layers_in_a_form_without_run_time_scales(level2, outliers):
+    """TensorRT's forms of the down projections: static scales like the rest, or float
+    activations with the same per-channel int8 weights; no scale is computed at run time."""
+    model = copy.deepcopy(level2)
+    linears = linear_layers(model)
+    windows = [RNG.integers(3, 258, 32) for _ in range(2)]
+    groups = quantize_int8(model, linears, windows, "minmax", smoothquant=0.0, outliers=outliers)
+    onnx.checker.check_model(model)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    inits = {t.name: tensor_array(t) for t in model.graph.initializer}
+    assert not any(g.per_token for g in groups)
+    for layer in linears:
+        x, w = layer.node.input
+        assert producer[w].op_type == "DequantizeLinear" and inits[producer[w].input[0]].dtype == np.int8
+        down = layer.name.endswith("mlp.down")
+        if down and outliers == "int8-weights":  # float activation: fed straight from its producer
+            assert x not in producer or producer[x].op_type != "DequantizeLinear"
+        else:  # a static pair: the scale is an initializer
+            assert producer[x].op_type == "DequantizeLinear" and producer[x].input[1] in inits
+    # Weight-only layers compute x @ dequantized W exactly: compare with NumPy on the graph's own values.
+    down = next(l for l in linears if l.name.endswith("mlp.down"))
+    if outliers == "int8-weights":
+        weight_dq = producer[down.node.input[1]]
+        codes, scale = inits[weight_dq.input[0]], inits[weight_dq.input[1]]
+        model.graph.output.extend([onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+                                   for n in (down.node.input[0], down.node.output[0])])
+        session = open_session(serialize(model), session_options(float_weight_products=True))
+        x, y = session.run([down.node.input[0], down.node.output[0]], prefill_feeds(session, RNG.integers(3, 258, 16)))
+        np.testing.assert_allclose(y, x @ (codes.astype(np.float32) * scale), rtol=1e-4, atol=1e-5)
+    ids = RNG.integers(3, 258, 20)
+    exact, quantized = logits(level2, ids), logits(model, ids)
+    assert np.abs(quantized - exact).max() < 0.05 * np.abs(exact).max()
+
+
+def test_per_token_layers_lower_to_matmulnbits_under_fp16(level2):
+    """--fp16 with per-token int8: the activation is computed in fp16 and cast for the quantizer;
+    MatMulNBits (fp32 scales) must read the fp32 value, or onnxruntime refuses the graph."""
+    from llmc.precision.fp16 import convert_to_fp16
+    from llmc.precision.int8 import lower_per_token_for_onnxruntime
+
+    model = copy.deepcopy(level2)
+    quantize_int8(model, linear_layers(model), [], "minmax", dynamic=True)
+    assert convert_to_fp16(model) > 0
+    assert lower_per_token_for_onnxruntime(model) == len(linear_layers(level2))
+    ids = RNG.integers(3, 258, 20)
+    exact, lowered = logits(level2, ids), logits(model, ids)
+    assert np.abs(lowered - exact).max() < 0.05 * np.abs(exact).max()
