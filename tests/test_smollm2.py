@@ -67,3 +67,50 @@ def test_plain_text_greedy_tokens_match_transformers(engine, reference):
     completions = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24))
     for prompt, completion in zip(PROMPTS, completions):
         assert completion.token_ids == reference(prompt, 24)
+
+
+@pytest.fixture(scope="module")
+def exported(folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2-quantized")
+    export(folder, out / "model.onnx")
+    return out / "model.onnx"
+
+
+@pytest.fixture(scope="module")
+def real_text(tmp_path_factory):
+    """Held-out Python (data/pystdlib-text/heldout) and English prose: the GPL-3 text most Linux
+    machines carry, else llmc's own general text."""
+    from pathlib import Path
+
+    from llmc.precision.gate import GENERAL_TEXT
+
+    folder = tmp_path_factory.mktemp("real-text")
+    root = Path(__file__).resolve().parents[1]
+    (folder / "python.txt").write_text((root / "data/pystdlib-text/heldout/heldout.txt").read_text(encoding="utf-8"))
+    gpl = Path("/usr/share/common-licenses/GPL-3")
+    english = gpl.read_text(encoding="utf-8")[:12_000] if gpl.is_file() else GENERAL_TEXT.read_text(encoding="utf-8")
+    (folder / "english.txt").write_text(english)
+    return folder
+
+
+def test_fp16_int8_calib_engine_serves_within_two_percent(exported, real_text, reference):
+    """The product's command, `llmc compile model.onnx --fp16 --int8-calib DIR`, on a real model:
+    the engine serves the chat answer and its perplexity on held-out real text is within 2%."""
+    from pathlib import Path
+
+    from llmc.precision.check import ReferenceModel, check
+    from llmc.precision.plan import PrecisionOptions
+
+    calib = Path(__file__).resolve().parents[1] / "data/pystdlib-text/calib"
+    engine_path = exported.with_name("fp16-int8.plan")
+    manifest = compile_model(exported, engine_path, paged=PagedOptions(max_seq_len=512, max_batch=4),
+                             precision=PrecisionOptions(fp16=True, int8_calib=str(calib)))
+    assert manifest["precision"]["accuracy"]["passed"]
+    engine = LLM(engine_path)
+    prompt = reference.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+        add_generation_prompt=True)
+    assert "Paris" in engine.generate(prompt, SamplingParams(max_new_tokens=16))[0].text
+    report = check(engine, ReferenceModel(exported), real_text, max_tokens=2048, generate=8)
+    assert report.tokens > 2000
+    assert report.ppl_increase_pct <= 2.0, report
