@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from llmc.errors import LlmcError, first_line, missing_extra
 
@@ -172,6 +173,11 @@ def optimize(onnx_file, output, level, passes, verify, report):
     click.echo(f"wrote {output}: {before} → {after} nodes")
 
 
+# --weights-block-size with --backend tensorrt: one of TensorRT's int4 block sizes (precision/plan.py
+# TENSORRT_INT4_BLOCK_SIZES) that divides common hidden sizes (SmolLM2's 576, which 128 does not).
+TENSORRT_WEIGHTS_BLOCK_SIZE = 64
+
+
 @main.command(name="compile")
 @click.argument("onnx_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Engine file to write.")
@@ -198,7 +204,8 @@ def optimize(onnx_file, output, level, passes, verify, report):
               "computed at run time: no calibration.")
 @click.option("--calib-tokens", default=4096, show_default=True, type=int, help="Calibration tokens read at most.")
 @click.option("--weights", default=None, help="Weight-only int8 or int4 for linear layers (activations stay float).")
-@click.option("--weights-block-size", default=32, show_default=True, type=int, help="Weights per scale for --weights.")
+@click.option("--weights-block-size", default=None, type=int, help="Weights per scale for --weights (default 32; "
+              f"{TENSORRT_WEIGHTS_BLOCK_SIZE} with --backend tensorrt, whose int4 blocks hold 64 or 128).")
 @click.option("--weights-symmetric", is_flag=True, help="Weight-only blocks without zero points (onnxruntime-genai's "
               "scheme; a little faster, less accurate than the default asymmetric blocks).")
 @click.option("--precision-config", type=click.Path(), help="Mixed precision: JSON mapping layers or op types "
@@ -224,14 +231,26 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
                     int8_dynamic, calib_tokens, weights, weights_block_size, weights_symmetric, precision_config, calib,
                     max_ppl_increase, force, dry_run, max_num_tokens, builder_optimization_level, timing_cache, workspace_mb,
                     hardware_compatible, version_compatible, as_json):
-    """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first)."""
+    """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first).
+
+    Options that cannot go together, or that the others would leave without effect, are refused
+    before any work, in one line naming them.
+    """
     from llmc.compiler.build import compile_model
     from llmc.compiler.paged_engine import KV_DTYPES, PagedOptions
     from llmc.compiler.tensorrt_network import TensorRTOptions
-    from llmc.precision.plan import PrecisionOptions
+    from llmc.precision.plan import PrecisionOptions, check_options
+    from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE
 
-    if backend != "tensorrt" and dry_run:
-        raise LlmcError("--dry-run: only for --backend tensorrt (an onnxruntime build is its own check)")
+    ctx = click.get_current_context()
+    given = {name for name in ctx.params if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE}
+    _refuse_engine_options(given, backend, paged)
+    if weights_block_size is None:
+        weights_block_size = TENSORRT_WEIGHTS_BLOCK_SIZE if backend == "tensorrt" else DEFAULT_BLOCK_SIZE
+    precision = PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens, weights, weights_block_size,
+                                 weights_symmetric, precision_config, int8_dynamic, calib, max_ppl_increase, force)
+    # compile_model checks the precision options too, but without the backend's rules.
+    _refuse_precision_options(given, precision, precision.precisions(check_options(precision, backend)))
     tensorrt = TensorRTOptions(max_num_tokens=max_num_tokens, optimization_level=builder_optimization_level,
                                timing_cache=timing_cache, workspace_mb=workspace_mb,
                                hardware_compatible=hardware_compatible, version_compatible=version_compatible,
@@ -252,10 +271,7 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
 
     start = time.perf_counter()
     manifest = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
-                             passes=_pass_names(passes), verify=verify, paged=options,
-                             precision=PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens, weights,
-                                                        weights_block_size, weights_symmetric, precision_config,
-                                                        int8_dynamic, calib, max_ppl_increase, force),
+                             passes=_pass_names(passes), verify=verify, paged=options, precision=precision,
                              tensorrt=tensorrt, progress=progress)
     if dry_run:
         if as_json:
@@ -276,6 +292,47 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
     g = manifest["geometry"]
     click.echo(f"wrote {output}: {manifest['backend']}, {manifest['dtype']}, {g['num_layers']} layers, "
                f"vocab {g['vocab_size']}, {g['max_positions']} positions")
+
+
+# compile's options that only a TensorRT build reads, and those only a paged engine reads.
+_TENSORRT_OPTIONS = ("dry_run", "max_num_tokens", "builder_optimization_level", "timing_cache", "workspace_mb",
+                     "hardware_compatible", "version_compatible")
+_PAGED_OPTIONS = ("block_size", "max_batch", "max_seq_len", "kv_pool_mb", "kv_cache_dtype")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _refuse_engine_options(given: set[str], backend: str, paged: bool) -> None:
+    """Refuse, before any work, an option given on the command line that the backend or the
+    cache layout would ignore or cannot build: whoever gave it expects an engine that has it."""
+    for name in _TENSORRT_OPTIONS:
+        if name in given and backend != "tensorrt":
+            raise LlmcError(f"{_flag(name)}: only for --backend tensorrt")
+    if backend == "tensorrt" and not paged:
+        raise LlmcError("--no-paged and --backend tensorrt: TensorRT engines are paged (the llmc::paged_attention "
+                        "plugin)")
+    for name in _PAGED_OPTIONS:
+        if name in given and not paged:
+            raise LlmcError(f"{_flag(name)} and --no-paged: only a paged engine has KV blocks and seats")
+
+
+def _refuse_precision_options(given: set[str], precision, asked: frozenset[str]) -> None:
+    """Refuse, before any work, a precision option given for something the others leave out
+    (`asked`: the precisions the options ask for, precision/plan.py)."""
+    from llmc.precision.plan import QUANTIZED
+
+    quantized = "quantized layers (--int8-calib, --int8-dynamic, --weights or --precision-config)"
+    needs = {"smoothquant": (bool(asked & {"int8", "int8-dynamic"}),
+                             "int8 activations (--int8-calib, --int8-dynamic or int8 in --precision-config)"),
+             "calibrator": ("int8" in asked, "calibrated int8 (--int8-calib, or int8 in --precision-config)"),
+             "weights_block_size": (bool(asked & QUANTIZED), quantized),
+             "weights_symmetric": (bool(asked & QUANTIZED), quantized),
+             "calib_tokens": (precision.data is not None, "data (--int8-calib or --calib)")}
+    for name, (used, what) in needs.items():
+        if name in given and not used:
+            raise LlmcError(f"{_flag(name)}: only with {what}")
 
 
 def _compile_summary(engine: Path, manifest: dict, seconds: float, warnings: list[str]) -> dict:

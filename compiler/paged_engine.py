@@ -16,6 +16,7 @@ write, so a large ceiling costs no start-up time and no resident memory until re
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import onnx
@@ -66,8 +67,8 @@ class PagedOptions:
             raise LlmcError(f"--max-batch: must be ≥ 1, got {self.max_batch}")
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise LlmcError(f"--max-seq-len: must be ≥ 2, got {self.max_seq_len}")
-        if self.kv_pool_mb is not None and not self.kv_pool_mb > 0:
-            raise LlmcError(f"--kv-pool-mb: must be > 0, got {self.kv_pool_mb}")
+        if self.kv_pool_mb is not None and not 0 < self.kv_pool_mb < math.inf:
+            raise LlmcError(f"--kv-pool-mb: must be a size > 0, got {self.kv_pool_mb}")
         if self.kv_dtype not in KV_DTYPES.values():
             names = ", ".join(KV_DTYPES)
             raise LlmcError(f"--kv-cache-dtype: '{self.kv_dtype}' is not one of {names}")

@@ -88,6 +88,22 @@ class PrecisionOptions:
         """Whether any option may quantize (a mixed-precision file is read later; see apply_precision)."""
         return bool(self.int8_calib or self.int8_dynamic or self.weights or self.config)
 
+    @property
+    def base(self) -> str:
+        """The precision every linear layer gets before a mixed-precision file's default and rules."""
+        if self.int8_calib is not None:
+            return "int8"
+        if self.int8_dynamic:
+            return "int8-dynamic"
+        return {"int8": "int8-weights", "int4": "int4"}.get(self.weights) or ("fp16" if self.fp16 else "fp32")
+
+    def precisions(self, config: MixedPrecision | None) -> frozenset[str]:
+        """Every precision these options and their mixed-precision file ask for (the lm_head rules
+        of apply_precision aside: they only trade one quantized form for another)."""
+        if config is None:
+            return frozenset({self.base})
+        return frozenset({config.default or self.base, *(value for _, value in config.rules)})
+
 
 @dataclass(frozen=True)
 class MixedPrecision:
@@ -117,8 +133,16 @@ def read_config(path: str | None) -> MixedPrecision | None:
     return MixedPrecision(data.get("default"), list(rules.items()), str(path))
 
 
-def check_options(options: PrecisionOptions) -> MixedPrecision | None:
-    """Everything that can be checked before the model is read."""
+# TensorRT's INT4 weights take one scale per block of 64 or 128 ("INT4 quantization requires
+# per-block scales. The supported block sizes are {64, 128}.": TensorRT documentation, Quantization
+# Schemes, docs.nvidia.com/deeplearning/tensorrt/latest/inference-library/quantized-types-schemes.html).
+TENSORRT_INT4_BLOCK_SIZES = (64, 128)
+QUANTIZED = frozenset({"int8", "int8-dynamic", "int8-weights", "int4"})
+
+
+def check_options(options: PrecisionOptions, backend: str = "onnxruntime") -> MixedPrecision | None:
+    """Everything that can be checked before the model is read: each value, the mixed-precision
+    file, and the options that cannot go together (on `backend`), refused in one line naming them."""
     if options.weights not in (None, "int8", "int4"):
         raise LlmcError(f"--weights: '{options.weights}' is not a weight format (int8, int4)")
     if options.weights_block_size not in BLOCK_SIZES:
@@ -131,11 +155,32 @@ def check_options(options: PrecisionOptions) -> MixedPrecision | None:
                         "(or a --precision-config to mix them)")
     if options.int8_calib is not None and options.calib is not None:
         raise LlmcError("--int8-calib already names the data; drop --calib")
-    if options.max_ppl_increase <= 0:
+    if not options.max_ppl_increase > 0:
         raise LlmcError(f"--max-ppl-increase: must be positive, got {options.max_ppl_increase}")
-    if options.int8_calib is not None:
-        check_calibrator(options.calibrator)  # the amount is checked with the data
-    return read_config(options.config)
+    if options.calib_tokens < 1:
+        raise LlmcError(f"--calib-tokens: must be ≥ 1, got {options.calib_tokens}")
+    check_calibrator(options.calibrator)  # the amount is checked with the data
+    config = read_config(options.config)
+    asked = options.precisions(config)
+    # Where a quantized precision comes from, for the messages.
+    source = ("--int8-dynamic" if options.int8_dynamic else f"--weights {options.weights}" if options.weights
+              else f"--precision-config {options.config}")
+    if "int8" in asked and options.data is None:
+        raise LlmcError(f"--precision-config {options.config}: its int8 layers need calibration data: give --calib DIR")
+    if asked & QUANTIZED and options.data is None and not options.force:
+        raise LlmcError(f"{source}: quantizing needs data to check the engine's accuracy on: give --calib DIR (text "
+                        "like your traffic), or --force to skip the check")
+    if backend == "tensorrt" and "int8-dynamic" in asked:
+        # IDynamicQuantizeLayer's output_type "must be either DataType::kFP4 (NVFP4 quantization) or
+        # DataType::kFP8 (MXFP8 quantization)" (tensorrt-cu13-bindings 11.4.0.106, tensorrt.so's
+        # docstrings): TensorRT 11.4 computes no INT8 scales at run time.
+        where = "--int8-dynamic" if options.int8_dynamic else f"--precision-config {options.config}: int8-dynamic"
+        raise LlmcError(f"{where} and --backend tensorrt: TensorRT computes int8 activation scales only ahead of "
+                        "time; use --int8-calib DIR")
+    if backend == "tensorrt" and "int4" in asked and options.weights_block_size not in TENSORRT_INT4_BLOCK_SIZES:
+        raise LlmcError(f"--weights-block-size {options.weights_block_size} and --backend tensorrt: TensorRT's int4 "
+                        f"blocks hold {' or '.join(map(str, TENSORRT_INT4_BLOCK_SIZES))} weights")
+    return config
 
 
 def calibration_windows(options: PrecisionOptions, tokenizer, vocab_size: int,
