@@ -15,8 +15,19 @@ tensor is taken as contiguous, so strides follow from shapes.
 
 Work split: program (i, kv_head) handles BLOCK_Q consecutive new tokens of one sequence times all
 query heads that share kv_head (BLOCK_M = BLOCK_Q * GROUPS_P2 rows for one tensor-core tile).
-Sequences are ragged, so the grid is the upper bound ``T // BLOCK_Q + num_seqs`` programs along
-axis 0; each finds its sequence by binary search over query_start_loc, and surplus programs exit.
+Sequences are ragged, so the grid is the upper bound ``T // BLOCK_Q + num_seqs + 1`` programs
+along axis 0 (never zero: an empty batch is still a valid launch); each finds its sequence by
+binary search over query_start_loc, and surplus programs exit.
+
+The pools may hold another float type than query (``--kv-cache-dtype``): what is read from them is
+cast to the query's type, as the reference reads any pool type.
+
+Metadata outside the contract never makes the kernel read or write outside its tensors or loop
+past them: TensorRT times plugins on made-up input values while building. query_start_loc
+entries are clamped into [0, num_tokens] and each sequence's end to no less than its start,
+context lengths into [0, max_blocks_per_seq * BLOCK_SIZE] (0 with an empty pool), block ids
+into [0, num_blocks). Within the contract the clamps change nothing; outside it the output is
+unspecified (rows no sequence owns are not written).
 
 ``import triton`` is optional: this module imports without it (launching then raises LlmcError),
 and nothing in ``llmc.plugins`` imports this module eagerly. Set ``TRITON_INTERPRET=1`` before
@@ -26,6 +37,7 @@ the first import of triton to run the kernel on CPU tensors with Triton's interp
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,9 +85,10 @@ class KernelConfig:
             "DOT_PRECISION": "ieee" if self.fp32 else "tf32",
         }
 
-    def num_programs(self, num_tokens: int, num_seqs: int) -> int:
-        """Axis-0 grid size: an upper bound on the query tiles of any packing of the batch."""
-        return num_tokens // self.block_q + num_seqs
+    def num_programs(self, num_tokens, num_seqs):
+        """Axis-0 grid size: an upper bound on the query tiles of any packing of the batch, at
+        least 1. Ints, or TensorRT's symbolic dimensions (only // and + are used)."""
+        return num_tokens // self.block_q + num_seqs + 1
 
 
 def kernel_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -122,7 +135,7 @@ def kernel_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
 
 def _paged_attention_kernel(
     query, key, value, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-    num_seqs, max_blocks_per_seq,
+    num_seqs, max_blocks_per_seq, num_tokens, num_blocks,
     output,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -135,22 +148,28 @@ def _paged_attention_kernel(
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
 
-    # The sequence owning tile `pid`: the last s with query_start_loc[s] // BLOCK_Q + s <= pid.
+    # The sequence owning tile `pid`: the last s with start(s) // BLOCK_Q + s <= pid, where
+    # start(s) is query_start_loc[s] clamped into [0, num_tokens] (see the module docstring).
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(query_start_loc + mid).to(tl.int32) // BLOCK_Q + mid
-        if first_tile <= pid:
+        start = tl.minimum(tl.maximum(tl.load(query_start_loc + mid), 0), num_tokens).to(tl.int32)
+        if start // BLOCK_Q + mid <= pid:
             lo = mid + 1
         else:
             hi = mid
-    seq = lo - 1
-    seq_begin = tl.load(query_start_loc + seq).to(tl.int32)
-    seq_new = tl.load(query_start_loc + seq + 1).to(tl.int32) - seq_begin
+    found = lo > 0  # false only for made-up metadata (or no sequence at all)
+    seq = tl.maximum(lo - 1, 0)
+    seq_begin = tl.load(query_start_loc + seq, mask=found, other=0)
+    seq_begin = tl.minimum(tl.maximum(seq_begin, 0), num_tokens).to(tl.int32)
+    seq_end = tl.load(query_start_loc + seq + 1, mask=found, other=0)
+    seq_new = tl.minimum(tl.maximum(seq_end, seq_begin), num_tokens).to(tl.int32) - seq_begin
     tile = pid - (seq_begin // BLOCK_Q + seq)
-    if tile * BLOCK_Q < seq_new:
-        past = tl.load(context_lens + seq).to(tl.int32)
+    if (tile >= 0) & (tile * BLOCK_Q < seq_new):
+        past = tl.load(context_lens + seq)
+        past = tl.minimum(tl.maximum(past, 0), max_blocks_per_seq * BLOCK_SIZE).to(tl.int32)
+        past = tl.where(num_blocks > 0, past, 0)
 
         rows = tl.arange(0, BLOCK_M)
         row_token = tile * BLOCK_Q + rows // GROUPS_P2  # within the sequence's new tokens
@@ -179,11 +198,12 @@ def _paged_attention_kernel(
         for start in range(past_lo, past, BLOCK_N):
             slots = start + tl.arange(0, BLOCK_N)
             slot_ok = slots < past
-            blocks = tl.load(table_row + slots // BLOCK_SIZE, mask=slot_ok, other=0).to(tl.int64)
+            blocks = tl.load(table_row + slots // BLOCK_SIZE, mask=slot_ok, other=0)
+            blocks = tl.minimum(tl.maximum(blocks, 0), num_blocks - 1).to(tl.int64)
             kv_offs = ((blocks * NUM_KV_HEADS + kv_head) * BLOCK_SIZE + slots % BLOCK_SIZE) * HEAD_DIM
             kv_offs = kv_offs[:, None] + dims[None, :]
-            k = tl.load(key_cache + kv_offs, mask=slot_ok[:, None], other=0.0)
-            v = tl.load(value_cache + kv_offs, mask=slot_ok[:, None], other=0.0)
+            k = tl.load(key_cache + kv_offs, mask=slot_ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(value_cache + kv_offs, mask=slot_ok[:, None], other=0.0).to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if SOFTCAP > 0:  # c·tanh(s / c) of the scaled score, tanh(x) = 2σ(2x) - 1
                 scores = SOFTCAP * (2.0 * tl.sigmoid(scores * (2.0 * SCALE / SOFTCAP)) - 1.0) * LOG2E
@@ -254,16 +274,24 @@ def require_triton() -> None:
                         "(or pip install triton) on a machine with an NVIDIA GPU")
 
 
+def interpreting() -> bool:
+    """Whether triton runs kernels with its CPU interpreter here (TRITON_INTERPRET=1, which triton
+    reads when it wraps a kernel), so that tensors live in host memory."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def paged_attention_triton(query, key, value, key_cache, value_cache, block_tables, context_lens,
                            query_start_loc, scale: float | None = None, window: int = 0,
-                           softcap: float = 0.0):
+                           softcap: float = 0.0, out=None):
     """Run the op on torch tensors (CUDA, or CPU under TRITON_INTERPRET=1); returns ``output``.
 
-    Checks shapes and limits without reading device data; block-table entries are trusted
-    (``llmc.plugins.paged_attention.check_inputs`` validates them on the host when wanted).
+    Checks shapes and limits without reading device data; metadata values are not checked but
+    clamped by the kernel (module docstring; ``llmc.plugins.paged_attention.check_inputs``
+    validates them on the host when wanted).
 
     Args: as in :mod:`llmc.plugins.paged_attention`; scale defaults to 1/sqrt(head_dim), window
-    to 0 (full attention), softcap to 0 (none).
+    to 0 (full attention), softcap to 0 (none); out: a contiguous tensor shaped and typed like
+    query to write into (default: a new one).
     """
     import torch
 
@@ -282,10 +310,12 @@ def paged_attention_triton(query, key, value, key_cache, value_cache, block_tabl
         raise LlmcError(f"paged_attention_triton: pools {tuple(key_cache.shape)} / "
                         f"{tuple(value_cache.shape)} must both be [blocks, {kv_heads}, "
                         f"block_size, {head_dim}]")
-    dtypes = {query.dtype, key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}
-    if len(dtypes) != 1 or query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise LlmcError(f"paged_attention_triton: query, key, value and pools must share one of "
-                        f"float16/bfloat16/float32, got {sorted(map(str, dtypes))}")
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if len({query.dtype, key.dtype, value.dtype}) != 1 or query.dtype not in floats \
+            or key_cache.dtype != value_cache.dtype or key_cache.dtype not in floats:
+        raise LlmcError(f"paged_attention_triton: query, key and value must share one of float16/bfloat16/"
+                        f"float32 and the pools one too, got {query.dtype}, {key.dtype}, {value.dtype} "
+                        f"and {key_cache.dtype}, {value_cache.dtype}")
     num_seqs = context_lens.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs \
             or tuple(query_start_loc.shape) != (num_seqs + 1,):
@@ -296,15 +326,19 @@ def paged_attention_triton(query, key, value, key_cache, value_cache, block_tabl
                     ("query_start_loc", query_start_loc)):
         if t.dtype not in (torch.int32, torch.int64):
             raise LlmcError(f"paged_attention_triton: {name} must be int32 or int64, got {t.dtype}")
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise LlmcError(f"paged_attention_triton: out must be a contiguous {query.dtype} tensor of "
+                        f"shape {tuple(query.shape)}, got {out.dtype} {tuple(out.shape)}")
     cfg = kernel_config(heads, kv_heads, head_dim, key_cache.shape[2], scale,
                         fp32=query.dtype == torch.float32, decode_only=tokens == num_seqs, window=window,
                         softcap=softcap)
-    output = torch.empty_like(query, memory_format=torch.contiguous_format)
     if tokens == 0 or num_seqs == 0:
-        return output
+        return out
     args = [t.contiguous() for t in (query, key, value, key_cache, value_cache, block_tables,
                                      context_lens, query_start_loc)]
     grid = (cfg.num_programs(tokens, num_seqs), kv_heads)
-    jit_kernel()[grid](*args, num_seqs, block_tables.shape[1], output, **cfg.constexprs(),
-                       num_warps=cfg.num_warps)
-    return output
+    jit_kernel()[grid](*args, num_seqs, block_tables.shape[1], tokens, key_cache.shape[0], out,
+                       **cfg.constexprs(), num_warps=cfg.num_warps)
+    return out

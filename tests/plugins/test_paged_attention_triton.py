@@ -3,11 +3,16 @@
 TRITON_INTERPRET=1 is set before triton is first imported (and before the kernel is wrapped by
 triton.jit), so the kernel runs on torch CPU tensors. On a GPU, scripts/gpu_check.py runs the
 full grid (block sizes 1..256, head_dim 64/128, GQA 1..8, fp16/bf16/fp32) and times it.
+Metadata outside the contract (as TensorRT times plugins on) must keep the kernel inside its
+tensors: tensors here sit between NaN margins that any stray read would carry into the output.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -110,3 +115,43 @@ def test_softcap_and_window_match_reference():
                                  window=6, softcap=0.7).numpy()
     np.testing.assert_allclose(got, paged_attention_reference(*inputs, window=6, softcap=0.7),
                                atol=TOLERANCE[np.float32], rtol=0)
+
+
+def guarded(array, margin, fill):
+    """`array` as a contiguous view into a buffer with `margin` elements of `fill` on each side: a
+    kernel that reads outside the tensor reads `fill`, one that writes outside changes it."""
+    flat = torch.from_numpy(np.full(array.size + 2 * margin, fill, array.dtype))
+    flat[margin:margin + array.size] = torch.from_numpy(array.ravel())
+    return flat, flat[margin:margin + array.size].view(array.shape)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_made_up_metadata_stays_inside_every_tensor(seed):
+    """TensorRT times the plugin on made-up inputs: scripts/gpu_check.py's check of that (which a
+    GPU machine runs on the JIT and the AOT kernel) under the interpreter. Out-of-contract
+    metadata, NaN around every input, a sentinel around the output; in a subprocess, because a
+    stray read may crash it, and with a timeout, because a loop over a made-up length never ends."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--cpu-interpret", "--made-up-metadata", "40",
+                           "--seed", str(seed)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, (done.stdout + done.stderr)[-2000:])
+    assert "40 cases inside every tensor" in done.stdout
+
+
+def test_valid_metadata_in_guarded_tensors_matches_reference():
+    """The clamps change nothing within the contract, and nothing outside the tensors is read."""
+    batch = make_batch(np.random.default_rng(5), [20, 1, 3], [33, 70, 0], block_size=16)
+    margin = 4096
+    inputs = {k: guarded(v, margin, float("nan") if v.dtype == np.float32 else -7)[1] for k, v in batch.items()}
+    got = paged_attention_triton(**inputs).numpy()
+    np.testing.assert_allclose(got, paged_attention_reference(**batch), atol=TOLERANCE[np.float32], rtol=0)
+
+
+def test_pool_of_another_float_type_is_read_in_the_query_type():
+    """--kv-cache-dtype: an fp16 pool under fp32 queries, read exactly (fp16 widens to fp32)."""
+    batch = make_batch(np.random.default_rng(9), [4, 1], [9, 17], block_size=8)
+    batch["key_cache"] = batch["key_cache"].astype(np.float16)
+    batch["value_cache"] = batch["value_cache"].astype(np.float16)
+    got = run_triton(batch)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, paged_attention_reference(**batch), atol=TOLERANCE[np.float32], rtol=0)

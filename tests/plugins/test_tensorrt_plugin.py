@@ -1,10 +1,10 @@
 """The TensorRT plugin ``llmc::paged_attention``.
 
 TensorRT cannot be installed on CI or development machines, so this file checks the plugin
-statically: its declared tensors against the op's contract (parsed from plugins/paged_attention.py)
-and the AOT kernel's PTX compiled with Triton for an sm_90 target (no GPU needed). Its
-registration runs under TensorRT 11.4's real tensorrt.plugin package in
-tests/compiler/test_tensorrt_api.py.
+statically: its declared tensors against the op's contract (parsed from plugins/paged_attention.py),
+the kernel's parameters against TensorRT's launch order, and the AOT kernel's PTX compiled with
+Triton for targets without a GPU. TensorRT's own calls into the plugin run through TensorRT 11.4's
+real tensorrt.plugin package in test_tensorrt_plugin_package.py.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def test_kernel_parameters_are_in_tensorrt_launch_order():
     from llmc.plugins.paged_attention_triton import _paged_attention_kernel
 
     params = list(inspect.signature(_paged_attention_kernel).parameters)
-    runtime = list(tensorrt_plugin.triton_signature("fp16", dict.fromkeys(
+    runtime = list(tensorrt_plugin.triton_signature("fp16", "fp32", dict.fromkeys(
         tensorrt_plugin.INPUT_NAMES[5:], "i32")))
     assert params[:len(runtime)] == runtime
     assert runtime == [*tensorrt_plugin.INPUT_NAMES, *tensorrt_plugin.EXTRA_ARG_NAMES,
@@ -83,38 +83,48 @@ def test_strip_unused_trailing_params():
 
 AOT_COMPILE = """
 import json, re, sys
-from triton.backends.compiler import GPUTarget
 from llmc.plugins import tensorrt_plugin as tp
 results = []
-for float_type, head_dim, heads, window, softcap in json.loads(sys.argv[1]):
-    cfg, kernel = tp.aot_kernel(float_type, dict.fromkeys(tp.INPUT_NAMES[5:], "i64"),
-                                num_heads=heads, num_kv_heads=8, head_dim=head_dim,
-                                block_size=16, scale=head_dim ** -0.5,
-                                target=GPUTarget("cuda", 90, 32), window=window,
-                                softcap=softcap)
+for float_type, head_dim, heads, capability in json.loads(sys.argv[1]):
+    cfg, kernel = tp.aot_kernel(float_type, float_type, dict.fromkeys(tp.INPUT_NAMES[5:], "i64"),
+                                num_heads=heads, num_kv_heads=8, head_dim=head_dim, block_size=16,
+                                scale=head_dim ** -0.5, capability=capability)
     entry = re.search(r"\\.entry\\s+" + kernel["name"] + r"\\s*\\((.*?)\\)", kernel["ptx"], re.S)
     results.append({"params": len([p for p in entry.group(1).split(",") if p.strip()]),
-                    "shared": kernel["shared"], "threads": kernel["threads"],
-                    "num_warps": cfg.num_warps})
+                    "shared": kernel["shared"], "threads": kernel["threads"], "num_warps": cfg.num_warps,
+                    "version": re.search(r"^\\.version (\\S+)$", kernel["ptx"], re.M).group(1),
+                    "target": re.search(r"^\\.target (\\S+)$", kernel["ptx"], re.M).group(1)})
 print(json.dumps(results))
 """
 
 
-def test_aot_kernel_compiles_to_ptx_in_tensorrt_launch_order():
-    """Compiles for sm_90 without a GPU, in a fresh process: the interpreter tests in this
-    session set TRITON_INTERPRET, which must not leak into real compilation."""
+def test_aot_kernel_fits_tensorrt_for_head_dim_128():
+    """Compiles without a GPU, in a fresh process: the interpreter tests in this session set
+    TRITON_INTERPRET, which must not leak into real compilation. head_dim 128 with 4 query heads
+    per kv head (the package tests take 64), for an Ampere and a Blackwell target."""
     pytest.importorskip("triton", reason="triton is not installed (pip install 'llmc[gpu]')")
     import json
     import os
 
-    # fp32 compiles slowly (~10 s): GPU check. A sliding window and soft-capping keep the
-    # launch order.
-    cases = [("fp16", 128, 32, 0, 0.0), ("bf16", 64, 16, 4096, 50.0)]
+    # fp32 compiles slowly (~10 s): the GPU check compiles it.
+    cases = [("fp16", 128, 32, 80), ("bf16", 128, 32, 120)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", AOT_COMPILE, json.dumps(cases)], env=env,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    for result in json.loads(out.stdout.splitlines()[-1]):
-        assert result["params"] == 8 + 2 + 1  # inputs, int32 scalars, output
+    results = json.loads(out.stdout.splitlines()[-1])
+    for result in results:
+        assert result["params"] == 8 + len(tensorrt_plugin.EXTRA_ARG_NAMES) + 1
         assert result["shared"] <= tensorrt_plugin.SHARED_MEM_LIMIT
         assert result["threads"] == result["num_warps"] * 32
+    assert [(r["target"], r["version"]) for r in results] == [("sm_80", "8.0"), ("sm_120a", "9.0")]
+
+
+def test_ptx_version_covers_each_target():
+    """PTX ISA 8.0 introduced sm_90a; 8.6 sm_100a, 8.7 sm_120a (NVIDIA's PTX ISA release notes);
+    LLVM aborts the process on a target its ISA lacks, so none may be below."""
+    first_isa = {80: 70, 86: 71, 89: 78, 90: 80, 100: 86, 120: 87}
+    for capability, isa in first_isa.items():
+        assert tensorrt_plugin.ptx_version(capability) >= isa
+    # and no higher than the CUDA 13.0 driver loads
+    assert max(tensorrt_plugin.ptx_version(c) for c in first_isa) == 90
