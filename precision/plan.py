@@ -85,8 +85,9 @@ class PrecisionOptions:
 
     @property
     def quantizes(self) -> bool:
-        """Whether any option may quantize (a mixed-precision file is read later; see apply_precision)."""
-        return bool(self.int8_calib or self.int8_dynamic or self.weights or self.config)
+        """Whether --int8-calib, --int8-dynamic or --weights quantize the linear layers (what a
+        mixed-precision file asks for is in `precisions`)."""
+        return bool(self.int8_calib or self.int8_dynamic or self.weights)
 
     @property
     def base(self) -> str:
