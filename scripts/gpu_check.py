@@ -20,7 +20,9 @@ only: the AOT part loads PTX through the CUDA driver).
    as TensorRT launches it: input pointers, the int32 scalars, the output pointer, with the grid,
    block and shared memory of `tensorrt_plugin.launch_params` and no cuFuncSetAttribute; fp16,
    bf16, fp32, a pool of another type, int32 and int64 metadata. Prints each PTX's ``.version``
-   and ``.target`` and the driver's CUDA version.
+   and ``.target`` and the driver's CUDA version. These are the functions aot_impl calls; that
+   aot_impl hands TensorRT exactly their kernel, grid and scalars is checked without a GPU, through
+   TensorRT 11.4's own tensorrt.plugin package (tests/plugins/test_tensorrt_plugin_package.py).
 3. Made-up metadata, as TensorRT times plugins on: query_start_loc, context lengths and block
    tables out of the contract (extremes and near misses), every tensor surrounded by NaN and the
    output by a sentinel; the kernel must finish, write only finite values and touch nothing
@@ -212,7 +214,8 @@ def compile_aot(query: str, pool: str, index: str, head_dim: int, gqa: int, bloc
                 capability: int, window: int = 0, softcap: float = 0.0, kv_heads: int = 2):
     from llmc.plugins import tensorrt_plugin as tp
 
-    return tp.aot_kernel(tp.FLOAT_TYPES[query], tp.FLOAT_TYPES[pool], dict.fromkeys(tp.INPUT_NAMES[5:], tp.INDEX_TYPES[index]),
+    index_types = dict.fromkeys(tp.INPUT_NAMES[5:], tp.INDEX_TYPES[index])
+    return tp.aot_kernel(tp.FLOAT_TYPES[query], tp.FLOAT_TYPES[pool], index_types,
                          num_heads=kv_heads * gqa, num_kv_heads=kv_heads, head_dim=head_dim,
                          block_size=block_size, scale=head_dim ** -0.5, capability=capability,
                          window=window, softcap=softcap)

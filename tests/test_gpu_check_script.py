@@ -76,7 +76,8 @@ def test_kernel_args_follow_the_kernel_signature(gpu_check):
     signature = tensorrt_plugin.triton_signature("fp16", "fp32", dict.fromkeys(tensorrt_plugin.INPUT_NAMES[5:], "i64"))
     args = gpu_check.kernel_args([1000 + i for i in range(8)], (3, 5, 37, 20), [2000])
     assert [ctypes.sizeof(a) for a in args] == [8 if kind.startswith("*") else 4 for kind in signature.values()]
-    assert [type(a) for a in args] == [ctypes.c_int32 if kind == "i32" else ctypes.c_uint64 for kind in signature.values()]
+    assert [type(a) for a in args] == [ctypes.c_int32 if kind == "i32" else ctypes.c_uint64
+                                       for kind in signature.values()]
     assert [a.value for a in args] == [*range(1000, 1008), 3, 5, 37, 20, 2000]
     with pytest.raises(ValueError, match="does not fit int32"):
         gpu_check.kernel_args([0] * 8, (2**31, 0, 0, 0), [0])

@@ -20,7 +20,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import dataclasses
 import json
 import operator
 import re
@@ -128,8 +127,8 @@ class PluginBuild:
         creator = next(c for c, namespace in trt.registered if namespace == NAMESPACE)
         # The ONNX parser passes the node's attributes by the creator's field names, as
         # float32 / int32 arrays (onnx-tensorrt's loadFields).
-        fields = [types.SimpleNamespace(name=f.name, data=np.array([attrs[f.name]],
-                                                                   np.float32 if isinstance(attrs[f.name], float) else np.int32))
+        fields = [types.SimpleNamespace(name=f.name, data=np.array(
+                      [attrs[f.name]], np.float32 if isinstance(attrs[f.name], float) else np.int32))
                   for f in creator.field_names]
         self.plugin = creator.create_plugin(NAME, NAMESPACE, fields, trt.TensorRTPhase.BUILD,
                                             getattr(trt.QuickPluginCreationRequest, request))
