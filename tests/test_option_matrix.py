@@ -110,7 +110,7 @@ def _argv(cell: Cell, onnx_file: Path, output: Path, config: Path) -> list[str]:
     argv += ["--fp16"] * cell["fp16"]
     quantize = cell["quantize"]
     argv += {None: [], "int8-calib": ["--int8-calib", str(CALIB)], "int8-dynamic": ["--int8-dynamic"]}.get(
-        quantize, ["--weights", quantize or ""])
+        quantize, ["--weights", str(quantize)])
     argv += ["--calib", str(CALIB)] * cell["calib"]
     argv += ["--precision-config", str(config)] * cell["config"]
     argv += ["--kv-cache-dtype", cell["kv"]] * (cell["kv"] != "auto")
