@@ -53,6 +53,7 @@ def wheel():
 def trt(wheel, monkeypatch):
     """The stand-in as `tensorrt` with the plugin registered under the wheel's package; plugin
     fields and dimension lists as plain Python values (the core's containers)."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install 'llmc[gpu]')")
     stub = tensorrt_wheel.StubTensorRT(wheel)
     stub.overrides["PluginField"] = lambda name, data, type: types.SimpleNamespace(name=name, data=data, type=type)
     stub.overrides["PluginFieldCollection"] = list
@@ -189,7 +190,6 @@ print(json.dumps([dataclasses.asdict(cfg), kernel]))
 @pytest.fixture
 def compiles(monkeypatch):
     """aot_kernel runs in a fresh process without the interpreter; the calls are recorded."""
-    pytest.importorskip("triton", reason="triton is not installed (pip install 'llmc[gpu]')")
     from llmc.plugins.paged_attention_triton import KernelConfig
 
     calls = []
@@ -345,7 +345,6 @@ def enqueue(trt, dtype, pool_dtype, index_dtype):
 def test_jit_impl_runs_the_kernel_through_enqueue(trt, dtype, pool_dtype, index_dtype, tolerance):
     """enqueue hands raw buffers and element strides to the impl function, which runs the kernel
     (Triton's interpreter here) into TensorRT's output buffer."""
-    pytest.importorskip("triton", reason="triton is not installed (pip install 'llmc[gpu]')")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs TRITON_INTERPRET=1 (host buffers)")
     got, want = enqueue(trt, dtype, pool_dtype, index_dtype)
