@@ -7,10 +7,14 @@ path; then, here:
   plugin: op type = plugin name (``paged_attention``), a ``plugin_namespace`` attribute (``llmc``)
   and every plugin attribute written (TensorRT plugin attributes take no defaults).
 - `optimization_profile` derives the one profile's min/opt/max shapes from the dynamic dimensions
-  the paged lowering names (tokens, seqs, seqs_plus_1, max_blocks, blocks) and the build options.
+  the paged lowering names (tokens, rows, seqs, seqs_plus_1, max_blocks, blocks) and the build
+  options. TensorRT holds input dimensions of one name equal: their ranges must overlap in the
+  profile, and their values agree at run time (NVIDIA's sampleNamedDimensions); so `rows`, the
+  logits asked for (up to every token of a step), is not `seqs`.
 - `check_network` checks every node against `tensorrt_support.PARSER_OPS` (ops and element types
-  the parser imports) or a registered llmc plugin, and every tensor's element type against what a
-  strongly typed network can hold. `--dry-run` prints the result and exits 2 naming each node at
+  the parser imports, and the rules of `tensorrt_support.restriction`) or a registered llmc plugin
+  (the input types its register function accepts), and every tensor's element type against what
+  a strongly typed network can hold. `--dry-run` prints the result and exits 2 naming each node at
   fault; the real build runs the same check first.
 
 Nothing here imports tensorrt.
@@ -24,7 +28,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from llmc.compiler.tensorrt_support import (ELEMENT_TYPES, MAX_OPSET, PARSER_OPS, PARSER_SOURCES, QUANTIZED,
-                                            READS_QUANTIZED, restriction)
+                                            plugin_types_problem, reads_quantized, restriction)
 from llmc.errors import LlmcError
 from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, PLUGIN_ID
 
@@ -162,7 +166,8 @@ def optimization_profile(model: onnx.ModelProto, *, max_batch: int, max_seq_len:
     """
     decode = min(max_batch, max_num_tokens)
     table_width = -(-max_seq_len // block_size)
-    ranges = {"tokens": (1, decode, max_num_tokens), "seqs": (1, max_batch, max_batch),
+    ranges = {"tokens": (1, decode, max_num_tokens), "rows": (1, decode, max_num_tokens),
+              "seqs": (1, max_batch, max_batch),
               "seqs_plus_1": (2, max_batch + 1, max_batch + 1), "max_blocks": (1, table_width, table_width),
               "blocks": (1, num_blocks, num_blocks)}
     profile = {}
@@ -230,14 +235,14 @@ def _node_problem(node: onnx.NodeProto, types: dict[str, int], ranks: dict[str, 
                   constants: dict[str, onnx.TensorProto]) -> str | None:
     """Why TensorRT's parser would refuse the node; "plugin" for an llmc plugin node; None if fine."""
     if node.op_type in PLUGINS and not node.domain:
-        return "plugin"
+        return plugin_types_problem(node, types) or "plugin"
     if node.domain not in ("", "ai.onnx"):
         # The parser picks importers by op type alone: a contrib op named like a standard one
         # (com.microsoft RotaryEmbedding) would be read with the standard op's inputs.
         return f"domain '{node.domain}' ops are onnxruntime's; TensorRT's parser has no importer for them"
     if node.op_type not in PARSER_OPS:
         return f"TensorRT's ONNX parser has no importer for {node.op_type} and no llmc plugin is registered for it"
-    rule = restriction(node, constants, ranks)
+    rule = restriction(node, constants, ranks, types)
     if rule:
         return rule
     allowed = PARSER_OPS[node.op_type]
@@ -248,17 +253,21 @@ def _node_problem(node: onnx.NodeProto, types: dict[str, int], ranks: dict[str, 
         if element not in allowed:
             return (f"{name} is {_type_name(element)}; TensorRT's {node.op_type} takes "
                     f"{', '.join(_type_name(t) for t in sorted(allowed))}")
-        if element in QUANTIZED and name in node.input and node.op_type not in READS_QUANTIZED:
+        if element in QUANTIZED and name in node.input and not reads_quantized(node, name):
             return f"{name} is {_type_name(element)}, which TensorRT reads only through DequantizeLinear"
     return None
 
 
 def _element_types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, int]]:
     """Element type and rank of every tensor the graph names (inferred values, inputs, outputs,
-    weights) that has them."""
+    weights) that has them; inferred here when the graph carries no types for its values."""
     types = {i.name: i.data_type for i in model.graph.initializer}
     ranks = {i.name: len(i.dims) for i in model.graph.initializer}
-    for value in list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output):
+    values = list(model.graph.value_info) + list(model.graph.input) + list(model.graph.output)
+    named = {v.name for v in values} | set(types)
+    if any(name and name not in named for node in model.graph.node for name in node.input):
+        values += _inferred_values(model)
+    for value in values:
         if value.type.HasField("tensor_type"):
             types[value.name] = value.type.tensor_type.elem_type
             if value.type.tensor_type.HasField("shape"):
@@ -269,6 +278,25 @@ def _element_types(model: onnx.ModelProto) -> tuple[dict[str, int], dict[str, in
                 if attribute.type == onnx.AttributeProto.TENSOR:
                     types[node.output[0]] = attribute.t.data_type
     return types, ranks
+
+
+def _inferred_values(model: onnx.ModelProto) -> list[onnx.ValueInfoProto]:
+    """onnx's inferred value types of a copy whose plugin nodes are put back as ``llmc``
+    PagedAttention nodes (onnx knows their schema; TensorRT's form it does not)."""
+    from llmc.plugins.paged_attention_onnx import register
+
+    register()
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        if node.op_type in PLUGINS and not node.domain:
+            kept = [a for a in node.attribute if a.name in PLUGIN_ATTRIBUTES]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            node.op_type, node.domain = OP_TYPE, DOMAIN
+    if not any(o.domain == DOMAIN for o in copy.opset_import):
+        copy.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return list(onnx.shape_inference.infer_shapes(copy).graph.value_info)
 
 
 def _type_name(element: int) -> str:

@@ -9,8 +9,11 @@ paged interface the serving runtime drives:
                                                      the model's dtype or the one asked for
              block_tables, context_lens,             the step's layout, as the op defines them
              query_start_loc                         (plugins/paged_attention.py)
-             logits_rows [seqs]                      packed row whose logits each sequence needs
-    outputs  logits [1, seqs, vocab]                 only the rows asked for (last token of each)
+             logits_rows [rows]                      the packed rows whose logits the step needs
+                                                     (each sequence's last token, or any tokens:
+                                                     its own dimension, since TensorRT holds
+                                                     equally named input dimensions equal)
+    outputs  logits [1, rows, vocab]                 only the rows asked for
              new_key.{i}, new_value.{i}              [tokens, kv_heads, head_dim], for the runtime
                                                      to store in the pool (the graph never writes it)
 
@@ -101,8 +104,8 @@ class LowerPagedAttention(Pass):
             for part in ("key", "value"):
                 new_inputs.append(value(f"{part}_cache.{layer}", pool_dtype,
                                         ["blocks", kv_heads, self.block_size, head_dim]))
-        new_inputs += METADATA_INPUTS + [value("logits_rows", TensorProto.INT64, ["seqs"])]
-        outputs = [value("logits", dtype, [1, "seqs", vocab])]
+        new_inputs += METADATA_INPUTS + [value("logits_rows", TensorProto.INT64, ["rows"])]
+        outputs = [value("logits", dtype, [1, "rows", vocab])]
         outputs += [value(name, dtype, ["tokens", heads_, head_dim]) for name, heads_ in new_outputs]
 
         del model.graph.input[:]

@@ -8,6 +8,7 @@ path takes. The build itself needs TensorRT: here only its refusal is checked.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -20,13 +21,16 @@ from llmc.compiler.build import compile_model
 from llmc.compiler.tensorrt_network import (TensorRTOptions, check_network, map_plugin_nodes,
                                             optimization_profile, standard_norms)
 from llmc.errors import LlmcError
+from llmc.precision.plan import PrecisionOptions
 
 
-def _paged_node(**attrs) -> onnx.ModelProto:
-    names = ["q", "k", "v", "key_cache.0", "value_cache.0", "block_tables", "context_lens", "query_start_loc"]
-    node = helper.make_node("PagedAttention", names, ["out"], name="paged.0", domain="llmc", **attrs)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+PLUGIN_INPUTS = ["q", "k", "v", "key_cache.0", "value_cache.0", "block_tables", "context_lens", "query_start_loc"]
+
+
+def _paged_node(types=(TensorProto.FLOAT,) * 5 + (TensorProto.INT64,) * 3, **attrs) -> onnx.ModelProto:
+    node = helper.make_node("PagedAttention", PLUGIN_INPUTS, ["out"], name="paged.0", domain="llmc", **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in zip(PLUGIN_INPUTS, types)],
+                              [helper.make_tensor_value_info("out", types[0], None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("llmc", 1)])
 
 
@@ -55,13 +59,24 @@ def _inputs_model(*inputs) -> onnx.ModelProto:
 
 def test_profile_ranges_come_from_the_build_options():
     model = _inputs_model(("input_ids", [1, "tokens"]), ("block_tables", ["seqs", "max_blocks"]),
-                          ("query_start_loc", ["seqs_plus_1"]), ("key_cache.0", ["blocks", 2, 16, 64]))
+                          ("query_start_loc", ["seqs_plus_1"]), ("key_cache.0", ["blocks", 2, 16, 64]),
+                          ("logits_rows", ["rows"]))
     profile = optimization_profile(model, max_batch=8, max_seq_len=100, block_size=16, num_blocks=50,
                                    max_num_tokens=256)
     assert profile == {"input_ids": ((1, 1), (1, 8), (1, 256)),
                        "block_tables": ((1, 1), (8, 7), (8, 7)),  # ceil(100 / 16) blocks per sequence
                        "query_start_loc": ((2,), (9,), (9,)),
-                       "key_cache.0": ((1, 2, 16, 64), (50, 2, 16, 64), (50, 2, 16, 64))}
+                       "key_cache.0": ((1, 2, 16, 64), (50, 2, 16, 64), (50, 2, 16, 64)),
+                       "logits_rows": ((1,), (8,), (256,))}  # up to every token: not the sequences' range
+
+
+def test_the_paged_interface_names_logits_rows_apart_from_the_sequences(tiny_llama_onnx, tmp_path):
+    """TensorRT holds equally named input dimensions equal at run time (sampleNamedDimensions):
+    `llmc check` and speculative steps ask for more logits rows than there are sequences."""
+    manifest = compile_model(tiny_llama_onnx, tmp_path / "e.plan", backend="tensorrt",
+                             tensorrt=TensorRTOptions(dry_run=True, max_num_tokens=512))
+    profile = manifest["tensorrt_check"]["profile"]
+    assert profile["logits_rows"] == [[1], [64], [512]] and profile["context_lens"] == [[1], [64], [64]]
 
 
 def test_a_dimension_without_a_range_names_its_input():
@@ -92,8 +107,8 @@ def _faults():
         "double input": (_one_node_model(helper.make_node("Relu", ["x"], ["y"], name="n"),
                                          [_value("x", TensorProto.DOUBLE)], [_value("y")]), "DOUBLE"),
         "uint8 zero point": (_one_node_model(helper.make_node("QuantizeLinear", ["x", "scale", "zero"], ["y"], name="n"),
-                                             [_value("x")], [_value("y", TensorProto.UINT8)], [scale, uint8_zero]),
-                             "UINT8 zero point"),
+                                             [_value("x")], [_value("y", TensorProto.INT8)], [scale, uint8_zero]),
+                             "zero point is UINT8; TensorRT takes a zero point of the quantized type (INT8)"),
         "run-time scale": (_one_node_model(helper.make_node("QuantizeLinear", ["x", "s"], ["y"], name="n"),
                                            [_value("x"), _value("s", shape=())], [_value("y", TensorProto.INT8)]),
                            "computed at run time"),
@@ -118,14 +133,96 @@ def test_each_unsupported_node_is_named_with_the_reason(fault):
     assert all(line.startswith(("node n ", "input x", "model:")) for line in report.unsupported), report.unsupported
 
 
-def test_supported_nodes_pass():
-    scale = numpy_helper.from_array(np.array(0.5, np.float32), "scale")
-    model = _one_node_model(helper.make_node("QuantizeLinear", ["x", "scale"], ["y"], name="n"),
-                            [_value("x")], [_value("y", TensorProto.INT8)], [scale])
-    assert check_network(model).ok
+def _weight(name, element, shape):
+    return helper.make_tensor(name, element, list(shape), np.zeros(int(np.prod(shape)), np.int64).tolist())
 
 
-@pytest.mark.parametrize("options", [[], ["--fp16"], ["--weights", "int4", "--force"], ["--kv-cache-dtype", "fp16"]])
+def _scale(name, shape, value=0.5):
+    return numpy_helper.from_array(np.full(shape, value, np.float32), name)
+
+
+def _dq(weight, scale, **attrs):
+    return _one_node_model(helper.make_node("DequantizeLinear", [weight.name, scale.name], ["y"], name="n", **attrs),
+                           [], [_value("y", shape=list(weight.dims))], [weight, scale])
+
+
+# TensorRT's Q/DQ forms (compiler/tensorrt_support.py cites NvInfer.h and the developer guide).
+def _qdq_faults():
+    int8_zero = numpy_helper.from_array(np.array(0, np.int8), "zero")
+    return {
+        "int8 blocks": (_dq(_weight("w", TensorProto.INT8, (64, 4)), _scale("s", (2, 4)), axis=0, block_size=32),
+                        "INT8 in blocks of 32"),
+        "int4 blocks of 32": (_dq(_weight("w", TensorProto.INT4, (64, 4)), _scale("s", (2, 4)), axis=0, block_size=32),
+                              "INT4 in blocks of 32; TensorRT takes INT4 blocks of 64 or 128"),
+        "fp8 blocks": (_dq(_weight("w", TensorProto.FLOAT8E4M3FN, (128, 4)), _scale("s", (2, 4)), axis=0,
+                           block_size=64), "FLOAT8E4M3FN in blocks of 64"),
+        "blocks along the first of three axes": (
+            _dq(_weight("w", TensorProto.INT4, (128, 4, 2)), _scale("s", (2, 4, 2)), axis=0, block_size=64),
+            "blocks along axis 0"),
+        "int4 activation": (_one_node_model(helper.make_node("DequantizeLinear", ["x", "s"], ["y"], name="n", axis=0,
+                                                             block_size=64),
+                                            [_value("x", TensorProto.INT4, (128, 4))], [_value("y", shape=(128, 4))],
+                                            [_scale("s", (2, 4))]), "activation in INT4 blocks"),
+        "per-channel activation": (_one_node_model(helper.make_node("QuantizeLinear", ["x", "s"], ["y"], name="n", axis=1),
+                                                   [_value("x")], [_value("y", TensorProto.INT8)], [_scale("s", (4,))]),
+                                   "x is an activation quantized per channel"),
+        "negative scale": (_one_node_model(helper.make_node("QuantizeLinear", ["x", "s"], ["y"], name="n"),
+                                           [_value("x")], [_value("y", TensorProto.INT8)], [_scale("s", (), -0.5)]),
+                           "strictly positive"),
+        "non-zero zero point": (_one_node_model(helper.make_node("QuantizeLinear", ["x", "s", "zero"], ["y"], name="n"),
+                                                [_value("x")], [_value("y", TensorProto.INT8)],
+                                                [_scale("s", ()), numpy_helper.from_array(np.array(3, np.int8), "zero")]),
+                                "symmetrically"),
+        "integer input": (_one_node_model(helper.make_node("QuantizeLinear", ["x", "s", "zero"], ["y"], name="n"),
+                                          [_value("x", TensorProto.INT32)], [_value("y", TensorProto.INT8)],
+                                          [_scale("s", ()), int8_zero]), "quantizes FLOAT, FLOAT16 or BFLOAT16 only"),
+    }
+
+
+@pytest.mark.parametrize("fault", list(_qdq_faults()))
+def test_quantize_forms_tensorrt_lacks_are_named(fault):
+    model, reason = _qdq_faults()[fault]
+    report = check_network(model)
+    assert len(report.unsupported) == 1 and reason in report.unsupported[0], report.unsupported
+    assert report.unsupported[0].startswith("node n (")
+
+
+def _static_activation_pair():
+    """An activation's Q/DQ pair as precision/int8.py writes it: per tensor, an INT8 zero point of 0."""
+    zero = numpy_helper.from_array(np.array(0, np.int8), "zero")
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "zero"], ["q"], name="q"),
+             helper.make_node("DequantizeLinear", ["q", "s", "zero"], ["y"], name="dq")]
+    graph = helper.make_graph(nodes, "g", [_value("x")], [_value("y")], [_scale("s", ()), zero],
+                              value_info=[_value("q", TensorProto.INT8)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
+@pytest.mark.parametrize("model", [
+    _static_activation_pair(),
+    _dq(_weight("w", TensorProto.INT8, (64, 4)), _scale("s", (4,)), axis=1),  # int8 weights per channel
+    _dq(_weight("w", TensorProto.INT4, (128, 4)), _scale("s", (2, 4)), axis=0, block_size=64),
+    _dq(_weight("w", TensorProto.INT4, (256, 4)), _scale("s", (2, 4)), axis=0, block_size=128),
+], ids=["static activation with an int8 zero point", "int8 per channel", "int4 blocks of 64", "int4 blocks of 128"])
+def test_quantize_forms_tensorrt_takes_pass(model):
+    report = check_network(model)
+    assert report.ok, report.unsupported
+
+
+def test_int8_calibrated_trained_model_passes_the_dry_run(trained_onnx, tmp_path):
+    """The static activation QuantizeLinear's INT8 zero point is its own (TensorRT takes an
+    all-zero one), not a quantized tensor it computes with."""
+    calib = Path(__file__).resolve().parents[2] / "data" / "pystdlib-text" / "calib"
+    manifest = compile_model(trained_onnx, tmp_path / "e.plan", backend="tensorrt",
+                             precision=PrecisionOptions(int8_calib=str(calib)),
+                             tensorrt=TensorRTOptions(dry_run=True))
+    check = manifest["tensorrt_check"]
+    assert check["unsupported"] == [], check["unsupported"]
+    assert check["ops"]["QuantizeLinear"] > 0 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("options", [[], ["--fp16"], ["--weights", "int4", "--weights-block-size", "64", "--force"],
+                                     ["--weights", "int8", "--force"], ["--kv-cache-dtype", "fp16"],
+                                     ["--fp16", "--kv-cache-dtype", "fp16"]])
 def test_dry_run_on_tiny_llama_passes_and_writes_nothing(tiny_llama_onnx, tmp_path, options):
     output = tmp_path / "engine.plan"
     result = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(output), "--backend", "tensorrt",
@@ -136,14 +233,32 @@ def test_dry_run_on_tiny_llama_passes_and_writes_nothing(tiny_llama_onnx, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_dry_run_exits_2_naming_each_node_at_fault(tiny_llama_onnx, tmp_path):
-    result = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(tmp_path / "e.plan"),
-                                       "--backend", "tensorrt", "--dry-run", "--int8-dynamic", "--force"])
-    assert result.exit_code == 2
-    faults = [line for line in result.stderr.splitlines() if line.startswith("  unsupported: node ")]
-    assert faults and all("computed at run time" in line for line in faults)
-    assert f"llmc: error: {len(faults)} node(s)" in result.stderr
+def test_run_time_activation_scales_are_named_as_having_no_tensorrt_form(tiny_llama_onnx, tmp_path):
+    """Per-token scales (the CLI refuses --int8-dynamic with TensorRT before any work; the API
+    builds the graph): every Q/DQ pair on them is named, and the line says what is true."""
+    manifest = compile_model(tiny_llama_onnx, tmp_path / "e.plan", backend="tensorrt",
+                             precision=PrecisionOptions(int8_dynamic=True, force=True),
+                             tensorrt=TensorRTOptions(dry_run=True))
+    faults = manifest["tensorrt_check"]["unsupported"]
+    assert faults and all("computed at run time" in line and "CPU backend only" in line for line in faults)
+    assert not any("--int8-calib" in line for line in faults)  # not an option to try, which may be given
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("types, reason", [
+    ((TensorProto.FLOAT, TensorProto.FLOAT16) + (TensorProto.FLOAT,) * 3 + (TensorProto.INT64,) * 3,
+     "key is float16, query float32"),
+    ((TensorProto.FLOAT,) * 5 + (TensorProto.INT64, TensorProto.FLOAT, TensorProto.INT64),
+     "context_lens is float32, not int32 or int64"),
+    ((TensorProto.INT32,) * 5 + (TensorProto.INT64,) * 3, "query is int32; the kernel takes"),
+])
+def test_plugin_input_types_the_plugin_refuses_are_named(types, reason):
+    """The plugin's own rule, on the ONNX types (test_tensorrt_plugin_types.py runs both on a grid)."""
+    model = _paged_node(types, scale=0.125)
+    map_plugin_nodes(model)
+    report = check_network(model)
+    assert len(report.unsupported) == 1 and reason in report.unsupported[0], report.unsupported
+    assert report.unsupported[0].startswith("node paged.0 (paged_attention): the plugin refuses its input types")
 
 
 def test_dry_run_manifest_holds_the_check_and_profile(tiny_llama_onnx, tmp_path):
