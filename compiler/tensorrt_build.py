@@ -11,12 +11,17 @@ the engine stores: the network is created with PREFER_AOT_PYTHON_PLUGINS, so run
 needs neither Python plugin code nor Triton. Polygraphy's loaders build the config and the engine
 (`CreateConfig`, `EngineBytesFromNetwork`); the network is created here because Polygraphy's
 `NetworkFromOnnxPath` has no way to pass that creation flag.
+
+A failed build is one line: Polygraphy raises its own exception when TensorRT's builder returns
+nothing, so the builder's logger records TensorRT's errors, and the line names the first layer
+an error names (the parser names a layer after its ONNX node) with that error.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -62,11 +67,12 @@ def build_engine(model: onnx.ModelProto, profile: dict[str, tuple[tuple[int, ...
     trt = require_tensorrt()
     gpu = current_gpu()  # before minutes of building: the engine is for this GPU
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, Profile
+    from polygraphy.exception import PolygraphyException
 
     from llmc.plugins.tensorrt_plugin import register_plugin
 
     register_plugin()
-    logger = trt.Logger(trt.Logger.WARNING)
+    logger = _recording_logger(trt)
     shapes = Profile()
     for name, (low, opt, high) in profile.items():
         shapes.add(name, min=low, opt=opt, max=high)
@@ -94,11 +100,34 @@ def build_engine(model: onnx.ModelProto, profile: dict[str, tuple[tuple[int, ...
             raise LlmcError(f"--backend tensorrt: TensorRT's parser rejected the graph: {errors[0] if errors else '?'}"
                             + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
         progress("building the TensorRT engine (minutes: the builder times kernels for each layer)")
-        engine = EngineBytesFromNetwork((builder, network, parser), config=config,
-                                        save_timing_cache=options.timing_cache)()
-    if engine is None:
-        raise LlmcError("--backend tensorrt: the TensorRT builder failed (its log above says why)")
+        try:
+            engine = EngineBytesFromNetwork((builder, network, parser), config=config,
+                                            save_timing_cache=options.timing_cache)()
+        except PolygraphyException as exc:
+            layers = [network.get_layer(i).name for i in range(network.num_layers)]
+            raise LlmcError(build_failure(logger.errors, layers, str(exc))) from None
     return bytes(engine), describe(trt, gpu, options, time.perf_counter() - start)
+
+
+def build_failure(errors: list[str], layers: list[str], fallback: str) -> str:
+    """One line for a failed build: the first layer TensorRT's errors name, and that error.
+
+    Args:
+        errors: TensorRT's logged errors, in order.
+        layers: the network's layer names.
+        fallback: what to say when TensorRT logged no error (Polygraphy's message).
+    """
+    by_length = sorted(set(layers), key=len, reverse=True)  # "/a/MatMul_1" before "/a/MatMul"
+    for error in errors:
+        layer = next((name for name in by_length if name and name in error), None)
+        if layer is not None:
+            return f"--backend tensorrt: TensorRT refused layer {layer}: {_one_line(error)}"
+    first = _one_line(errors[0]) if errors else _one_line(fallback)
+    return f"--backend tensorrt: the TensorRT build failed: {first}"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def describe(trt: Any, gpu: dict[str, str], options: TensorRTOptions, seconds: float) -> dict[str, Any]:
@@ -108,6 +137,26 @@ def describe(trt: Any, gpu: dict[str, str], options: TensorRTOptions, seconds: f
             "hardware_compatible": options.hardware_compatible, "version_compatible": options.version_compatible,
             "optimization_level": options.optimization_level, "max_num_tokens": options.max_num_tokens,
             "build_s": round(seconds, 1)}
+
+
+def _recording_logger(trt: Any):
+    """A trt.ILogger that prints warnings and errors, as trt.Logger(WARNING) does, and keeps the
+    errors for the one-line failure."""
+    shown = {trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR, trt.ILogger.Severity.WARNING}
+    failures = {trt.ILogger.Severity.INTERNAL_ERROR, trt.ILogger.Severity.ERROR}
+
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity, msg):
+            if severity in failures:
+                self.errors.append(msg)
+            if severity in shown:
+                print(f"TensorRT: {msg}", file=sys.stderr)
+
+    return Logger()
 
 
 def _progress_monitor(trt: Any, progress: Callable[[str], None]):

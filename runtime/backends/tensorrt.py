@@ -12,8 +12,16 @@ store per layer on the same stream, as the CPU backend does; copy-on-write copie
 on the device.
 
 Loading checks the engine's build against this machine first: a serialized TensorRT engine
-runs only on the TensorRT release and GPU that built it, unless it was built version- or
-hardware-compatible, and TensorRT's own refusal deep in deserialization names neither side.
+runs only on the exact TensorRT release that built it (TensorRT's developer guide, "Version
+Compatibility": a version-compatible engine, BuilderFlag.VERSION_COMPATIBLE, runs on later
+releases of the same major version) and on the GPU's compute capability unless it was built
+hardware-compatible; TensorRT's own refusal deep in deserialization names neither side.
+
+The engine's one optimization profile bounds every step, and TensorRT refuses shapes outside it
+(`set_input_shape` returns False): the pool is capped at the profile's block count, and a step
+larger than the profile's tokens, sequences or logits rows (`Engine.logits` over a long text,
+a scheduler budget above the compiled `--max-num-tokens`) runs as consecutive sub-steps, each
+storing its keys and values before the next reads them.
 
 Nothing here has run: no machine this project is built on has TensorRT (README, "TensorRT").
 Its names are checked against TensorRT 11.4's bindings in the test suite, and its bookkeeping
@@ -45,7 +53,7 @@ def check_compatible(build: TensorRTBuild, installed: str, gpu: dict[str, str], 
         gpu: this machine's GPU ("name", "compute_capability").
         where: the engine file, for the message.
     """
-    built, here = (tuple(int(part) for part in v.split(".")[:2]) for v in (build.version, installed))
+    built, here = _version(build.version), _version(installed)
     if built != here and not (build.version_compatible and built[0] == here[0] and here > built):
         raise LlmcError(f"{where}: built with TensorRT {build.version}, this machine has {installed}; recompile "
                         f"it here (or build it with --version-compatible)")
@@ -55,6 +63,10 @@ def check_compatible(build: TensorRTBuild, installed: str, gpu: dict[str, str], 
             raise LlmcError(f"{where}: built for {build.gpu} (compute capability {build.compute_capability}), this "
                             f"machine has {gpu['name']} ({gpu['compute_capability']}); recompile it here (or build "
                             f"it with --hardware-compatible)")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
 
 
 def require_tensorrt_runtime():
@@ -68,6 +80,10 @@ def require_tensorrt_runtime():
     return trt, torch
 
 
+# The step's index inputs, in the graph's INT64 (passes/lower_paged_attention.py).
+STEP_INPUTS = ("input_ids", "position_ids", "block_tables", "context_lens", "query_start_loc", "logits_rows")
+
+
 class TensorRTDecoder:
     """The execution context, the KV pool on the GPU and the step.
 
@@ -75,7 +91,7 @@ class TensorRTDecoder:
         engine: a TensorRT engine file (backend "tensorrt").
         threads: unused (CPU threads); kept for the backends' common signature.
         kv_pool_mb: the KV pool's size in MiB; None: the compiled size, or the default rule
-            (`pool_blocks`) over the GPU's free memory.
+            (`pool_blocks`) over the GPU's free memory. Capped at the engine profile's blocks.
         device: "cuda" (the GPU that runs the engine), or "cpu" for tests with a stand-in for
             TensorRT's core.
     """
@@ -102,17 +118,24 @@ class TensorRTDecoder:
             raise LlmcError(f"{engine.path}: TensorRT could not load the engine (its log above says why: a plugin "
                             f"missing from this TensorRT, or a corrupted section)")
         self._context = self._engine.create_execution_context()
+        names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
+        inputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self._outputs = [n for n in names if n not in inputs]
+        self._profile = {name: [tuple(shape) for shape in self._engine.get_tensor_profile_shape(name, 0)]
+                         for name in inputs}
+        self._check_input_types(inputs, paged.kv_dtype, str(engine.path))
+        highest = {name: shapes[2] for name, shapes in self._profile.items()}
+        # The step's limits, from the profile TensorRT enforces (compiler/tensorrt_network.py).
+        self.max_tokens, self.max_seqs = highest["input_ids"][1], highest["context_lens"][0]
         free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
-        self.num_blocks = pool_blocks(paged, self.geometry, kv_pool_mb, available=free)
+        self.num_blocks = min(pool_blocks(paged, self.geometry, kv_pool_mb, available=free), highest["key_cache.0"][0])
         shape = (self.num_blocks, self.geometry.num_kv_heads, paged.block_size, self.geometry.head_dim)
         pool_type = getattr(torch, paged.kv_dtype)
         self.pools = {f"{part}_cache.{i}": torch.zeros(shape, dtype=pool_type, device=device)
                       for i in range(self.geometry.num_layers) for part in ("key", "value")}
         for name, pool in self.pools.items():  # bound once: the pool never moves
-            self._context.set_input_shape(name, tuple(pool.shape))
+            self._set_shape(name, tuple(pool.shape))
             self._context.set_tensor_address(name, pool.data_ptr())
-        self._outputs = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)
-                         if self._engine.get_tensor_mode(self._engine.get_tensor_name(i)) == trt.TensorIOMode.OUTPUT]
 
     def keep(self, sequence: int, length: int) -> None:
         """Speculative tokens not kept: the step wrote them into the pool, where nothing reads
@@ -123,15 +146,34 @@ class TensorRTDecoder:
         """Run one packed step; stores its keys and values; returns the logits of the packed
         `rows` (default: each sequence's last token), [rows, vocab] float32 on the host.
         `exact` is the CPU decoder's (its whole graph's padding row); nothing here pads."""
+        rows = np.asarray(batch.query_start_loc[1:] - 1 if rows is None else rows, np.int64)
+        pieces = split_step(np.asarray(batch.query_start_loc, np.int64), self.max_tokens, self.max_seqs)
+        if len(pieces) == 1 and len(rows):
+            return self._run(tokens, positions, batch, rows)
+        logits = np.zeros((len(rows), self.geometry.vocab_size), np.float32)
+        for piece in pieces:
+            seqs = [sequence for sequence, _, _ in piece]
+            index = np.concatenate([np.arange(start, end) for _, start, end in piece])
+            stored = np.array([start - batch.query_start_loc[s] for s, start, _ in piece], np.int64)
+            lengths = np.array([end - start for _, start, end in piece], np.int64)
+            sub = PagedBatch(np.asarray(batch.block_tables)[seqs], np.asarray(batch.context_lens)[seqs] + stored,
+                             np.concatenate([[0], np.cumsum(lengths)]))
+            inside = np.isin(rows, index)
+            local = np.searchsorted(index, rows[inside])
+            # A piece whose tokens need no logits still asks for one row: the profile's least.
+            out = self._run(tokens[index], positions[index], sub, local if len(local) else np.zeros(1, np.int64))
+            logits[inside] = out[:len(local)]
+        return logits
+
+    def _run(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray) -> np.ndarray:
+        """One engine call within the profile: binds the step, runs it, stores its keys and values."""
         torch = self.torch
-        rows = batch.query_start_loc[1:] - 1 if rows is None else rows
         feeds = {"input_ids": tokens[None], "position_ids": positions[None], "block_tables": batch.block_tables,
-                 "context_lens": batch.context_lens, "query_start_loc": batch.query_start_loc,
-                 "logits_rows": np.asarray(rows, np.int64)}
+                 "context_lens": batch.context_lens, "query_start_loc": batch.query_start_loc, "logits_rows": rows}
         bound = {}
         for name, array in feeds.items():
             tensor = torch.from_numpy(np.ascontiguousarray(array, np.int64)).to(self.device, non_blocking=True)
-            self._context.set_input_shape(name, tuple(tensor.shape))
+            self._set_shape(name, tuple(tensor.shape))
             self._context.set_tensor_address(name, tensor.data_ptr())
             bound[name] = tensor  # alive until the step is done
         outputs = {}
@@ -154,6 +196,23 @@ class TensorRTDecoder:
                 pool[index_blocks, :, index_offsets] = outputs[f"new_{part}.{layer}"].to(pool.dtype)
         return outputs["logits"][0].float().cpu().numpy()  # the copy to the host waits for the stream
 
+    def _set_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """Set an input's shape; one line naming it and the profile's range when TensorRT refuses."""
+        if not self._context.set_input_shape(name, shape):
+            low, _, high = self._profile[name]
+            raise LlmcError(f"TensorRT: input {name} of shape {list(shape)} is outside the engine's profile "
+                            f"(min {list(low)}, max {list(high)})")
+
+    def _check_input_types(self, inputs: list[str], kv_dtype: str, where: str) -> None:
+        """The engine's inputs are what this object binds: the step's INT64 arrays and pools of the
+        manifest's kv dtype (TensorRT reads a bound address as its own type, unchecked)."""
+        expected = {name: self.trt.int64 for name in STEP_INPUTS}
+        expected.update({name: self._trt_type(kv_dtype) for name in inputs if name not in STEP_INPUTS})
+        for name in inputs:
+            if name not in expected or self._engine.get_tensor_dtype(name) != expected[name]:
+                raise LlmcError(f"{where}: the engine's input {name} is {self._engine.get_tensor_dtype(name)}; this "
+                                f"runtime binds {expected.get(name, 'no such input')} (recompile the engine)")
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: pool block `src` into `dst` for each pair, in every pool, on the device."""
         if not pairs:
@@ -169,6 +228,9 @@ class TensorRTDecoder:
         batch = PagedBatch(np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.array([0, 1], np.int64))
         self.step(np.zeros(1, np.int64), np.zeros(1, np.int64), batch)
 
+    def _trt_type(self, dtype: str) -> Any:
+        return {"float32": self.trt.float32, "float16": self.trt.float16, "bfloat16": self.trt.bfloat16}[dtype]
+
     def _torch_type(self, data_type: Any):
         trt, torch = self.trt, self.torch
         types = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
@@ -176,6 +238,23 @@ class TensorRTDecoder:
         if data_type not in types:
             raise LlmcError(f"TensorRT engine output of type {data_type}: not one llmc reads")
         return types[data_type]
+
+
+def split_step(query_start_loc: np.ndarray, max_tokens: int, max_seqs: int) -> list[list[tuple[int, int, int]]]:
+    """A packed step cut into consecutive pieces of at most `max_tokens` tokens and `max_seqs`
+    sequences: each piece a list of (sequence, first packed token, end). A sequence's tokens may
+    span pieces, in order, so each piece's attention finds the earlier ones stored."""
+    pieces, current, used = [], [], 0
+    for sequence in range(len(query_start_loc) - 1):
+        start, end = int(query_start_loc[sequence]), int(query_start_loc[sequence + 1])
+        while start < end:
+            if used == max_tokens or len(current) == max_seqs:
+                pieces.append(current)
+                current, used = [], 0
+            take = min(end - start, max_tokens - used)
+            current.append((sequence, start, start + take))
+            used, start = used + take, start + take
+    return pieces + [current] if current else pieces
 
 
 def layer_information(engine: EngineFile) -> str:

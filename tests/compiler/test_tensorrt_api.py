@@ -1,30 +1,34 @@
-"""The TensorRT path against the real TensorRT 11.4 Python API, on a machine without TensorRT.
+"""The TensorRT path against TensorRT 11.4 itself, on a machine without TensorRT.
 
 The bindings wheel of TensorRT 11.4 is downloaded (tests/tensorrt_wheel.py; skipped with the
-reason when the registry is unreachable). Its compiled core cannot load here, so a stand-in
-replaces exactly that: every name asked of it must be one the 11.4 bindings define. Through it:
+reason when the registry is unreachable or objdump is missing). Its compiled core cannot load
+here; the stand-in replaces exactly that, and refuses what TensorRT refuses:
 
-- llmc's plugin registers under the wheel's real ``tensorrt.plugin`` package, whose own
-  registration-time validation checks the descriptor, the AOT and the JIT implementations;
-- `llmc compile --backend tensorrt` runs its whole build through Polygraphy's loaders;
-- the runtime backend loads an engine, binds the pool and the step's tensors, runs steps whose
-  outputs a fake execution writes, and stores new keys and values in the right pool slots;
-- every ``trt.X.Y`` the TensorRT modules name exists in 11.4.
+- the API map read from the bindings' registration code: members on their class, values on
+  their enum, keywords among the method's argument names; every ``trt.X.Y`` llmc names, and every
+  method of the stand-in's core, is checked against it;
+- `llmc compile --backend tensorrt` through Polygraphy and the stand-in's parser and builder:
+  what was built (inputs, dimension names, profile, flags) read back from the engine; a refused
+  layer, an unregistered plugin, a profile TensorRT would reject, each failing in one line;
+- the runtime backend on the stand-in's engine: shapes inside the profile, equally named
+  dimensions equal, every address bound, types as the engine has them; steps larger than the
+  profile split; the pool capped at the profile.
 
-None of this runs TensorRT: scripts/gpu_check.sh does, on a GPU machine.
+None of this runs TensorRT: scripts/gpu_check.sh does what it can on a GPU machine.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
-import ctypes
+import inspect
+import json
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 import llmc
 from llmc.compiler.build import compile_model
@@ -36,44 +40,75 @@ from llmc.plugins.paged_attention import PLUGIN_ID, PagedBatch
 
 tensorrt_wheel = pytest.importorskip("tensorrt_wheel")
 TENSORRT_MODULES = ("compiler/tensorrt_build.py", "plugins/tensorrt_plugin.py", "runtime/backends/tensorrt.py")
+GPU = {"name": "NVIDIA H200", "compute_capability": "9.0"}
 
 
 @pytest.fixture(scope="module")
 def wheel():
     try:
-        return tensorrt_wheel.wheel_folder()
+        folder = tensorrt_wheel.wheel_folder()
+        tensorrt_wheel.tensorrt_api(folder)
     except RuntimeError as exc:
         pytest.skip(str(exc))
+    return folder
 
 
 @pytest.fixture
 def trt(wheel, monkeypatch):
     """The stand-in, installed as `tensorrt` for one test (the plugin registration reset)."""
+    pytest.importorskip("triton", reason="triton is not installed (the plugin's registration needs it)")
     from llmc.plugins import tensorrt_plugin
 
     stub = tensorrt_wheel.StubTensorRT(wheel)
     for name in [m for m in sys.modules if m == "tensorrt" or m.startswith("tensorrt.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "tensorrt", stub)
-    tensorrt_plugin.register_plugin.cache_clear()
+    register = tensorrt_plugin.register_plugin  # a test may replace it
+    register.cache_clear()
     yield stub
-    tensorrt_plugin.register_plugin.cache_clear()
+    register.cache_clear()
     for name in [m for m in sys.modules if m.startswith("tensorrt.")]:
         del sys.modules[name]
 
 
-def test_the_stand_in_refuses_names_tensorrt_11_4_lacks(trt):
+# --- The map and the stand-in refuse what TensorRT 11.4 lacks ------------------------------------------
+
+def test_the_map_places_members_on_their_class(wheel):
+    api = tensorrt_wheel.tensorrt_api(wheel)
+    # The 11.4 docstrings: set_input_shape is the context's, the profile's shapes are the engine's.
+    assert "set_input_shape" in api.members("IExecutionContext") and "set_input_shape" not in api.members("ICudaEngine")
+    assert "get_tensor_profile_shape" in api.members("ICudaEngine")
+    assert "get_tensor_profile_shape" not in api.members("IExecutionContext")
+    assert api.enums["TensorIOMode"] == {"NONE", "INPUT", "OUTPUT"}
+    assert {"PREFER_AOT_PYTHON_PLUGINS", "STRONGLY_TYPED"} <= api.enums["NetworkDefinitionCreationFlag"]
+    assert "EXPLICIT_BATCH" not in api.enums["NetworkDefinitionCreationFlag"]  # removed in TensorRT 10
+    assert api.arguments("IOptimizationProfile", "set_shape") == [["input", "max", "min", "opt"]]
+    assert api.arguments("IPluginRegistry", "get_creator") == [["plugin_namespace", "type", "version"]]
+    assert api.bases["Logger"] == {"ILogger"} and "WARNING" in api.members("Logger")  # exported severities
+    assert "constant_value" not in api.members("IDimensionExpr")  # get_constant_value is
+
+
+def test_the_stand_in_refuses_what_tensorrt_11_4_lacks(trt):
     assert trt.Builder and trt.NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS
-    with pytest.raises(AttributeError, match="no NetworkDefinitionCreationFlag.EXPLICIT_BATCH"):
-        trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH  # removed in TensorRT 10
-    with pytest.raises(AttributeError, match="no BuilderFlag.FP16_STRICT"):
+    with pytest.raises(AttributeError, match="no EXPLICIT_BATCH"):
+        trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH
+    with pytest.raises(AttributeError, match="TensorRT 11.4's BuilderFlag has no FP16_STRICT"):
         trt.BuilderFlag.FP16_STRICT
+    with pytest.raises(AttributeError, match="TensorRT 11.4's IExecutionContext has no get_tensor_profile_shape"):
+        trt.IExecutionContext.get_tensor_profile_shape
+    with pytest.raises(AttributeError, match="TensorIOMode has no WORKSPACE"):
+        trt.TensorIOMode.WORKSPACE  # a member of another enum (MemoryPoolType)
+    config = trt.Builder(trt.Logger(trt.Logger.WARNING)).create_builder_config()
+    with pytest.raises(TypeError, match="set_shape takes no keyword maximum"):
+        trt.IOptimizationProfile.set_shape(None, input="x", min=(1,), opt=(1,), maximum=(2,))  # the binding's: max
+    with pytest.raises(AttributeError, match="IBuilderConfig has no attribute fp16 to set"):
+        config.fp16 = True  # TensorRT 11 has no weakly typed precision flags
+    assert trt.float16 is trt.DataType.HALF and str(trt.int8) == "DataType.INT8"
 
 
-def test_every_tensorrt_name_llmc_uses_exists_in_11_4(wheel):
-    names = tensorrt_wheel.api_names(wheel)
+def test_every_tensorrt_name_llmc_uses_is_a_member_of_its_class(trt):
     root = Path(llmc.__file__).parent
-    used = set()
+    chains = set()
     for module in TENSORRT_MODULES:
         for node in ast.walk(ast.parse((root / module).read_text())):
             chain = []
@@ -81,10 +116,26 @@ def test_every_tensorrt_name_llmc_uses_exists_in_11_4(wheel):
                 chain.append(node.attr)
                 node = node.value
             if isinstance(node, ast.Name) and node.id == "trt" and chain and not chain[-1].startswith("__"):
-                used.add(".".join(reversed(chain)))  # (__version__ is the Python package's)
-    assert len(used) >= 15, used  # the modules do use TensorRT
-    missing = sorted(u for u in used if not all(part in names for part in u.split(".")))
-    assert not missing, f"not in TensorRT 11.4: {missing}"
+                chains.add(tuple(reversed(chain)))
+    assert len(chains) >= 20, chains  # the modules do use TensorRT
+    for chain in sorted(chains):
+        value = trt
+        for name in chain:
+            value = getattr(value, name)  # AttributeError names what TensorRT 11.4 lacks
+    assert not {u for u in trt.unmapped if u.split(".")[0] in {c[0] for c in chains}}, trt.unmapped
+
+
+def test_the_stand_in_core_has_only_members_and_argument_names_of_11_4(trt):
+    api = trt.api
+    for name, fake in trt.fakes.items():
+        for member, value in vars(fake).items():
+            if member.startswith("_"):
+                continue
+            assert member in api.members(name), f"{name}.{member} is not TensorRT 11.4's"
+            overloads = api.arguments(name, member)
+            if callable(value) and overloads:
+                params = {p for p in inspect.signature(value).parameters if p != "self"}
+                assert any(params <= set(args) for args in overloads), f"{name}.{member}{params}: 11.4 has {overloads}"
 
 
 def test_plugin_registers_under_the_real_tensorrt_plugin_package(trt):
@@ -98,7 +149,7 @@ def test_plugin_registers_under_the_real_tensorrt_plugin_package(trt):
     # The attributes the parser hands the plugin are those map_plugin_nodes writes on its nodes.
     assert set(plugin.input_attrs) == set(PLUGIN_ATTRIBUTES)
     assert plugin.aot_impl_func is not None and plugin.impl_func is not None
-    assert [(args[1]) for args in trt.registered] == ["llmc"]  # the creator, in llmc's namespace
+    assert [namespace for _, namespace in trt.registered] == ["llmc"]  # the creator, in llmc's namespace
 
 
 def test_the_real_validation_runs(trt):
@@ -113,67 +164,153 @@ def test_the_real_validation_runs(trt):
         trtp.register("llmc_test::with_default")(namespace["descriptor"])
 
 
-def _fake_network(trt, model_inputs):
-    """What the parser would have made: a network with the graph's inputs (Polygraphy checks the
-    profile's names against them), and a timing cache Polygraphy can save."""
-    inputs = [types.SimpleNamespace(name=v.name, is_shape_tensor=False, dtype=trt.float32,
-                                    shape=tuple(d.dim_value or -1 for d in v.type.tensor_type.shape.dim))
-              for v in model_inputs]
-    trt.overrides["Builder().create_network().num_inputs"] = len(inputs)
-    trt.overrides["Builder().create_network().get_input"] = inputs.__getitem__
-    trt.overrides["Builder().create_builder_config().get_timing_cache().serialize"] = \
-        lambda: contextlib.nullcontext(b"timing cache")
+# --- The stand-in's builder and engine refuse what TensorRT refuses --------------------------------------
+
+def _two_inputs(tmp_path, dims) -> str:
+    values = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [d, 8]) for name, d in zip("ab", dims)]
+    graph = helper.make_graph([helper.make_node("Concat", ["a", "b"], ["y"], name="concat", axis=0)], "g", values,
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", 8])])
+    path = tmp_path / "two.onnx"
+    onnx.save(helper.make_model(graph), path)
+    return str(path)
+
+
+def _logger(trt):
+    errors = []
+
+    class Logger(trt.ILogger):
+        def log(self, severity, msg):
+            errors.append(msg)
+
+    return Logger(), errors
+
+
+def _build(trt, path, ranges):
+    logger, errors = _logger(trt)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)
+    assert trt.OnnxParser(network, logger).parse_from_file(path)
+    config, profile = builder.create_builder_config(), builder.create_optimization_profile()
+    for name, (low, high) in ranges.items():
+        profile.set_shape(name, (low, 8), (low, 8), (high, 8))
+    config.add_optimization_profile(profile)
+    return builder.build_serialized_network(network, config), errors, logger
+
+
+def test_equally_named_dimensions_must_overlap_in_the_profile_and_agree_at_run_time(trt, tmp_path):
+    """NVIDIA's sampleNamedDimensions: "TensorRT supports this feature by checking that in the
+    optimization profile these dimensions have overlapping intervals and that at runtime they
+    have the same value"."""
+    path = _two_inputs(tmp_path, ["n", "n"])
+    plan, errors, _ = _build(trt, path, {"a": (1, 4), "b": (8, 16)})
+    assert plan is None and "named 'n'" in errors[-1]
+    plan, errors, logger = _build(trt, path, {"a": (1, 16), "b": (1, 16)})
+    engine = trt.Runtime(logger).deserialize_cuda_engine(bytes(plan))
+    context = engine.create_execution_context()
+    assert not context.set_input_shape("a", (17, 8))  # past the profile's max
+    assert "outside the profile" in errors[-1]
+    buffers = {name: np.zeros((4, 8), np.float32) for name in ("a", "b", "y")}
+    trt.execute = lambda description, inputs: {"y": np.concatenate([inputs["a"], inputs["b"]])[:4]}
+    assert context.set_input_shape("a", (2, 8)) and context.set_input_shape("b", (3, 8))
+    for name, array in buffers.items():
+        context.set_tensor_address(name, array.ctypes.data)
+    assert not context.execute_async_v3(0) and "dimensions named 'n' must be equal" in errors[-1]
+    assert context.set_input_shape("b", (2, 8)) and context.execute_async_v3(0)
+
+
+def test_an_input_without_a_shape_or_address_fails_the_step(trt, tmp_path):
+    plan, errors, logger = _build(trt, _two_inputs(tmp_path, ["n", "m"]), {"a": (1, 4), "b": (1, 4)})
+    context = trt.Runtime(logger).deserialize_cuda_engine(bytes(plan)).create_execution_context()
+    trt.execute = lambda description, inputs: {}
+    assert context.set_input_shape("a", (1, 8)) and not context.execute_async_v3(0)
+    assert "input shapes not specified: b" in errors[-1]
+    assert context.set_input_shape("b", (1, 8)) and not context.execute_async_v3(0)
+    assert "no address set" in errors[-1]
+
+
+# --- llmc compile --backend tensorrt through Polygraphy and the stand-in ----------------------------------
+
+@pytest.fixture
+def build(trt, monkeypatch):
+    from llmc.compiler import tensorrt_build
+
+    monkeypatch.setattr(tensorrt_build, "current_gpu", lambda: GPU)
+
+    def compile_(onnx_path, output, **options):
+        lines = []
+        manifest = compile_model(onnx_path, output, backend="tensorrt", tensorrt=TensorRTOptions(**options),
+                                 progress=lines.append)
+        return manifest, lines
+
+    return compile_
 
 
 @pytest.fixture
-def built_engine(trt, tiny_llama_onnx, tmp_path, monkeypatch):
-    """tiny-llama through `compile_model(backend="tensorrt")` with the stand-in; the engine's
-    TensorRT section is what the stand-in serialized (empty)."""
-    from llmc.compiler import tensorrt_build
-
-    monkeypatch.setattr(tensorrt_build, "current_gpu", lambda: {"name": "NVIDIA H200", "compute_capability": "9.0"})
-    real_build = tensorrt_build.build_engine
-
-    def build_engine(model, profile, options, progress):
-        _fake_network(trt, model.graph.input)
-        return real_build(model, profile, options, progress)
-
-    monkeypatch.setattr(tensorrt_build, "build_engine", build_engine)
-    lines = []
-    manifest = compile_model(tiny_llama_onnx, tmp_path / "engine.plan", backend="tensorrt",
-                             tensorrt=TensorRTOptions(workspace_mb=512, hardware_compatible=True,
-                                                      timing_cache=str(tmp_path / "timing.cache"), max_num_tokens=256),
-                             progress=lines.append)
+def built_engine(build, tiny_llama_onnx, tmp_path):
+    """tiny-llama through `compile_model(backend="tensorrt")` with the stand-in."""
+    manifest, lines = build(tiny_llama_onnx, tmp_path / "engine.plan", workspace_mb=512, hardware_compatible=True,
+                            timing_cache=str(tmp_path / "timing.cache"), max_num_tokens=24)
     return tmp_path / "engine.plan", manifest, lines
 
 
-def test_compile_builds_through_polygraphy_with_the_options_asked(built_engine, trt):
+def test_compile_builds_what_the_graph_and_options_ask(built_engine, trt):
     path, manifest, lines = built_engine
-    for name in ("NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS", "MemoryPoolType.WORKSPACE",
-                 "HardwareCompatibilityLevel.AMPERE_PLUS", "ProfilingVerbosity.DETAILED",
-                 "Builder().create_optimization_profile().set_shape", "Builder().build_serialized_network",
-                 "OnnxParser().parse_from_file"):
-        assert name in trt.used, name
-    assert "BuilderFlag.VERSION_COMPATIBLE" not in trt.used  # not asked
+    engine = read_engine(path)
+    built = json.loads(bytes(engine.sections["engine.trt"]))
+    assert built["creation_flags"] == ["PREFER_AOT_PYTHON_PLUGINS"] and built["builder_flags"] == []
+    assert "AMPERE_PLUS" in built["hardware_compatibility_level"]
+    inputs = {t["name"]: t for t in built["inputs"]}
+    assert inputs["input_ids"]["dims"] == [None, "tokens"] and inputs["logits_rows"]["dims"] == ["rows"]
+    assert inputs["context_lens"]["dims"] == ["seqs"] and inputs["key_cache.0"]["dims"][0] == "blocks"
+    assert built["profile"]["input_ids"] == [[1, 1], [1, 24], [1, 24]]  # min(max_batch, max_num_tokens) decodes
+    assert built["profile"]["logits_rows"] == [[1], [24], [24]]
+    assert sum(1 for _, op in built["layers"] if op == "paged_attention") == engine.manifest.geometry.num_layers
     assert (path.parent / "timing.cache").read_bytes() == b"timing cache"
     assert any(line.startswith("building the TensorRT engine") for line in lines)
-    engine = read_engine(path)
     assert {s.name for s in engine.manifest.sections} == {"engine.trt", "tokenizer.json"}
     assert engine.manifest.tensorrt == TensorRTBuild(
         version=tensorrt_wheel.VERSION, gpu="NVIDIA H200", compute_capability="9.0",
         plugins={PLUGIN_ID: "1"}, hardware_compatible=True, version_compatible=False, optimization_level=3,
-        max_num_tokens=256, build_s=manifest["tensorrt"]["build_s"])
+        max_num_tokens=24, build_s=manifest["tensorrt"]["build_s"])
 
 
-def test_parser_errors_fail_the_build_with_nothing_written(trt, tiny_llama_onnx, tmp_path, monkeypatch):
+def test_version_compatible_sets_the_builder_flag(build, tiny_llama_onnx, tmp_path):
+    build(tiny_llama_onnx, tmp_path / "e.plan", version_compatible=True)
+    built = json.loads(bytes(read_engine(tmp_path / "e.plan").sections["engine.trt"]))
+    assert built["builder_flags"] == ["VERSION_COMPATIBLE"] and built["hardware_compatibility_level"] is None
+
+
+def test_a_layer_the_builder_refuses_is_named_in_one_line(build, trt, tiny_llama_onnx, tmp_path):
+    trt.refuse_layers["paged.1/PagedAttention"] = "no kernel for these types"
+    with pytest.raises(LlmcError) as error:
+        build(tiny_llama_onnx, tmp_path / "e.plan")
+    message = str(error.value)
+    assert message.startswith("--backend tensorrt: TensorRT refused layer paged.1/PagedAttention: ")
+    assert "no kernel for these types" in message and "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_cli_prints_a_refused_build_as_one_line(build, trt, tiny_llama_onnx, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    trt.refuse_layers["paged.0/PagedAttention"] = "no kernel"
+    result = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(tmp_path / "e.plan"),
+                                       "--backend", "tensorrt"])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("llmc:")]
+    assert errors[-1].startswith("llmc: error: --backend tensorrt: TensorRT refused layer paged.0/PagedAttention")
+    assert "internal error" not in result.stderr
+
+
+def test_a_plugin_not_registered_before_parsing_fails_naming_it(build, trt, tiny_llama_onnx, tmp_path, monkeypatch):
     from llmc.compiler import tensorrt_build
 
-    monkeypatch.setattr(tensorrt_build, "current_gpu", lambda: {"name": "x", "compute_capability": "9.0"})
-    trt.overrides["OnnxParser().parse_from_file"] = lambda path: False
-    trt.overrides["OnnxParser().num_errors"] = 1
-    trt.overrides["OnnxParser().get_error"] = lambda i: "In node 3 (paged_attention): Plugin not found"
-    with pytest.raises(LlmcError, match="parser rejected the graph: In node 3 .*Plugin not found"):
-        compile_model(tiny_llama_onnx, tmp_path / "engine.plan", backend="tensorrt")
+    monkeypatch.setattr("llmc.plugins.tensorrt_plugin.register_plugin", lambda: None)
+    with pytest.raises(LlmcError, match=r"parser rejected the graph: In node paged.0/PagedAttention: Plugin not "
+                                        r"found: llmc::paged_attention \(and 3 more\)"):
+        build(tiny_llama_onnx, tmp_path / "e.plan")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -225,84 +362,46 @@ def test_deploy_check_of_a_tensorrt_engine(built_engine, monkeypatch, gpu, runs)
                                                                  and "NVIDIA X (7.5)" in detail)
 
 
-class _FakeExecution:
-    """TensorRT's engine and execution context as the runtime backend calls them: shapes follow
-    the bound inputs, and a step writes outputs derived from its inputs (keys = token id + layer,
-    values = minus that, logits row r = its row index), through the bound addresses."""
+# --- The runtime backend on the stand-in's engine -------------------------------------------------------
 
-    def __init__(self, geometry, block_size, trt):
-        self.g, self.trt = geometry, trt
-        self.names = (["input_ids", "position_ids", "block_tables", "context_lens", "query_start_loc", "logits_rows"]
-                      + [f"{p}_cache.{i}" for i in range(geometry.num_layers) for p in ("key", "value")]
-                      + ["logits"] + [f"new_{p}.{i}" for i in range(geometry.num_layers) for p in ("key", "value")])
-        self.shapes, self.addresses = {}, {}
-
-    # ICudaEngine
-    num_io_tensors = property(lambda self: len(self.names))
-
-    def get_tensor_name(self, index):
-        return self.names[index]
-
-    def get_tensor_mode(self, name):
-        output = name == "logits" or name.startswith("new_")
-        return self.trt.TensorIOMode.OUTPUT if output else self.trt.TensorIOMode.INPUT
-
-    def get_tensor_dtype(self, name):
-        return self.trt.float32
-
-    def create_execution_context(self):
-        return self
-
-    # IExecutionContext
-    def set_input_shape(self, name, shape):
-        self.shapes[name] = tuple(shape)
-        return True
-
-    def set_tensor_address(self, name, address):
-        self.addresses[name] = address
-        return True
-
-    def get_tensor_shape(self, name):
-        tokens, seqs = self.shapes["input_ids"][1], self.shapes["logits_rows"][0]
-        return (1, seqs, self.g.vocab_size) if name == "logits" else (tokens, self.g.num_kv_heads, self.g.head_dim)
-
-    def execute_async_v3(self, stream_handle):
-        ids = self._array("input_ids", np.int64, self.shapes["input_ids"])[0]
-        rows = self._array("logits_rows", np.int64, self.shapes["logits_rows"])
-        for layer in range(self.g.num_layers):
-            for part, sign in (("key", 1), ("value", -1)):
-                out = self._array(f"new_{part}.{layer}", np.float32, self.get_tensor_shape("new_key.0"))
-                out[:] = sign * (ids + layer)[:, None, None]
-        self._array("logits", np.float32, self.get_tensor_shape("logits"))[0] = rows[:, None]
-        return True
-
-    def _array(self, name, dtype, shape):
-        count = int(np.prod(shape))
-        buffer = (ctypes.c_byte * (count * np.dtype(dtype).itemsize)).from_address(self.addresses[name])
-        return np.frombuffer(buffer, dtype).reshape(shape)
+def _attention_free(description, inputs):
+    """What the tests' engine computes, from the step's layout alone: each token's key = its id +
+    layer, its value minus that; logits row r: [the slot its attention would write (its
+    sequence's cached length + its index), its token id, its position, …]."""
+    ids, positions = inputs["input_ids"][0], inputs["position_ids"][0]
+    starts, cached = inputs["query_start_loc"], inputs["context_lens"]
+    sequence = np.repeat(np.arange(len(cached)), np.diff(starts))
+    slots = cached[sequence] + np.arange(len(ids)) - starts[sequence]
+    layers = sum(1 for t in description["outputs"] if t["name"].startswith("new_key."))
+    shapes = {t["name"]: t["shape"] for t in description["outputs"]}
+    out = {}
+    for layer in range(layers):
+        heads, dim = shapes[f"new_key.{layer}"][1:]
+        out[f"new_key.{layer}"] = np.broadcast_to((ids + layer)[:, None, None], (len(ids), heads, dim))
+        out[f"new_value.{layer}"] = -out[f"new_key.{layer}"]
+    rows = inputs["logits_rows"]
+    logits = np.zeros((1, len(rows), shapes["logits"][2]), np.float32)
+    logits[0, :, 0], logits[0, :, 1], logits[0, :, 2] = slots[rows], ids[rows], positions[rows]
+    out["logits"] = logits
+    return out
 
 
-def test_runtime_binds_runs_and_stores_keys_in_their_slots(built_engine, trt, wheel):
+@pytest.fixture
+def decoder(built_engine, trt):
     from llmc.runtime.backends.tensorrt import TensorRTDecoder
 
+    trt.execute = _attention_free
     path, _, _ = built_engine
-    engine = read_engine(path)
-    fake = _FakeExecution(engine.manifest.geometry, engine.manifest.paged.block_size, trt)
-    names = tensorrt_wheel.api_names(wheel)
-    assert all(n in names for n in ("num_io_tensors", "get_tensor_name", "get_tensor_mode", "get_tensor_dtype",
-                                    "create_execution_context", "set_input_shape", "set_tensor_address",
-                                    "get_tensor_shape", "execute_async_v3"))  # the fake mirrors real names
-    trt.overrides["Runtime().deserialize_cuda_engine"] = lambda data: fake
-    decoder = TensorRTDecoder(engine, kv_pool_mb=4, device="cpu")
-    assert set(fake.addresses) == set(decoder.pools)  # the pool is bound once, at load
+    return TensorRTDecoder(read_engine(path), kv_pool_mb=1000, device="cpu")
+
+
+def test_runtime_binds_runs_and_stores_keys_in_their_slots(decoder):
     block = decoder.block_size
     # Two sequences: 3 new tokens after 5 cached (blocks 4, 7), and one decode after block_size cached (2, 3).
     batch = PagedBatch(np.array([[4, 7], [2, 3]]), np.array([5, block]), np.array([0, 3, 4]))
-    tokens = np.array([10, 11, 12, 20])
-    logits = decoder.step(tokens, np.array([5, 6, 7, block]), batch)
-    np.testing.assert_array_equal(logits, np.array([[2.0], [3.0]]) * np.ones((1, engine.manifest.geometry.vocab_size)))
-    key = decoder.pools["key_cache.1"].numpy()
-    value = decoder.pools["value_cache.0"].numpy()
+    logits = decoder.step(np.array([10, 11, 12, 20]), np.array([5, 6, 7, block]), batch)
+    np.testing.assert_array_equal(logits[:, :3], [[7, 12, 7], [block, 20, block]])  # each sequence's last token
+    key, value = decoder.pools["key_cache.1"].numpy(), decoder.pools["value_cache.0"].numpy()
     assert key[4, 0, 5, 0] == 11 and key[4, 0, 6, 0] == 12 and key[4, 0, 7, 0] == 13 and key[3, 0, 0, 0] == 21
     assert value[4, 0, 5, 0] == -10 and value[3, 0, 0, 0] == -20
     assert np.count_nonzero(key[:, 0, :, 0]) == 4  # nothing else written
@@ -310,9 +409,71 @@ def test_runtime_binds_runs_and_stores_keys_in_their_slots(built_engine, trt, wh
     np.testing.assert_array_equal(decoder.pools["key_cache.1"].numpy()[9], key[4])
 
 
+def test_logits_of_every_token_of_one_sequence(decoder):
+    """`Engine.logits` (llmc check) asks for more rows than sequences: with logits_rows named
+    like the sequences, TensorRT would refuse the step."""
+    ids = np.arange(100, 110)
+    batch = PagedBatch(np.array([[0]]), np.array([0]), np.array([0, 10]))
+    logits = decoder.step(ids, np.arange(10), batch, rows=np.arange(10))
+    np.testing.assert_array_equal(logits[:, :3], np.stack([np.arange(10), ids, np.arange(10)], axis=1))
+
+
+def test_a_step_larger_than_the_profile_runs_as_pieces_in_order(decoder):
+    """The engine takes 24 tokens (max_num_tokens) and 64 sequences: a 40-token prompt beside two
+    decodes runs as two pieces, the second reading what the first stored."""
+    table = np.array([[1, 2, 3], [5, 6, 7], [8, 9, 10]])
+    batch = PagedBatch(table, np.array([3, 0, 17]), np.array([0, 1, 41, 42]))
+    ids = np.concatenate([[7], np.arange(200, 240), [9]])
+    positions = np.concatenate([[3], np.arange(40), [17]])
+    rows = np.array([0, 10, 40, 41])
+    logits = decoder.step(ids, positions, batch, rows=rows)
+    np.testing.assert_array_equal(logits[:, 0], positions[rows])  # every token's slot is its position
+    np.testing.assert_array_equal(logits[:, 1], ids[rows])
+    key = decoder.pools["key_cache.0"].numpy()[:, 0, :, 0]
+    assert decoder.block_size == 16
+    stored = np.concatenate([key[5], key[6], key[7]])[:40]
+    np.testing.assert_array_equal(stored, np.arange(200, 240))  # the whole prompt, in its slots
+
+
+def test_the_pool_is_capped_at_the_profile_and_types_checked(decoder, built_engine, trt):
+    from llmc.runtime.backends.tensorrt import TensorRTDecoder
+
+    path, _, _ = built_engine
+    profile = json.loads(bytes(read_engine(path).sections["engine.trt"]))["profile"]
+    assert decoder.num_blocks == profile["key_cache.0"][2][0]  # 1000 MiB asked
+    trt.execute = _attention_free
+    engine = read_engine(path)
+    described = json.loads(bytes(engine.sections["engine.trt"]))
+    described["inputs"][0]["dtype"] = "INT32"  # an engine built from another graph
+    engine.sections["engine.trt"] = json.dumps(described).encode()
+    with pytest.raises(LlmcError, match="the engine's input input_ids is DataType.INT32; this runtime binds DataType.INT64"):
+        TensorRTDecoder(engine, device="cpu")
+
+
+def test_a_shape_outside_the_profile_is_one_line_naming_the_input_and_range(decoder):
+    table = np.zeros((1, 40), np.int64)  # wider than max_seq_len / block_size
+    with pytest.raises(LlmcError, match=r"input block_tables of shape \[1, 40\] is outside the engine's profile "
+                                        r"\(min \[1, 1\], max \[64, \d+\]\)"):
+        decoder.step(np.array([1]), np.array([0]), PagedBatch(table, np.array([0]), np.array([0, 1])))
+
+
+@pytest.mark.parametrize("starts, most, seqs, pieces", [
+    ([0, 3, 4], 24, 64, [[(0, 0, 3), (1, 3, 4)]]),
+    ([0, 30], 24, 64, [[(0, 0, 24)], [(0, 24, 30)]]),
+    ([0, 1, 2, 3], 24, 2, [[(0, 0, 1), (1, 1, 2)], [(2, 2, 3)]]),
+    ([0, 10, 30, 31], 16, 64, [[(0, 0, 10), (1, 10, 16)], [(1, 16, 30), (2, 30, 31)]]),
+])
+def test_split_step_keeps_order_and_limits(starts, most, seqs, pieces):
+    from llmc.runtime.backends.tensorrt import split_step
+
+    assert split_step(np.array(starts), most, seqs) == pieces
+
+
 @pytest.mark.parametrize("build, here, message", [
     (dict(version="11.4.0.106"), ("11.5.0.1", "9.0"), "built with TensorRT 11.4.0.106, this machine has 11.5.0.1"),
+    (dict(version="11.4.0.106"), ("11.4.0.107", "9.0"), "this machine has 11.4.0.107"),  # the exact release
     (dict(version="11.4.0.106", version_compatible=True), ("12.0.0.1", "9.0"), "this machine has 12.0.0.1"),
+    (dict(version="11.4.0.106", version_compatible=True), ("11.3.0.1", "9.0"), "this machine has 11.3.0.1"),
     (dict(compute_capability="9.0"), ("11.4.0.106", "8.9"), "built for NVIDIA H200 (compute capability 9.0)"),
     (dict(compute_capability="9.0", hardware_compatible=True), ("11.4.0.106", "7.5"), "compute capability 9.0"),
 ])
@@ -325,10 +486,16 @@ def test_an_engine_for_another_gpu_or_tensorrt_is_refused_naming_both(build, her
     with pytest.raises(LlmcError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_compatible(TensorRTBuild(**{**fields, **build}), here[0], {"name": "GPU", "compute_capability": here[1]},
                          "e.plan")
-    # Built compatible where that is allowed, the same pairs load.
-    relaxed = {**fields, **build, "version_compatible": True, "hardware_compatible": True}
-    if here[0].startswith("11.") and float(here[1]) >= 8.0:
-        check_compatible(TensorRTBuild(**relaxed), here[0], {"name": "GPU", "compute_capability": here[1]}, "e.plan")
+
+
+@pytest.mark.parametrize("built, here", [("11.4.0.106", "11.4.0.106"), ("11.4.0.106", "11.5.0.1")])
+def test_a_version_compatible_engine_runs_on_the_same_or_a_later_11(built, here):
+    from llmc.runtime.backends.tensorrt import check_compatible
+
+    check_compatible(TensorRTBuild(version=built, gpu="NVIDIA H200", compute_capability="9.0", plugins={},
+                                   hardware_compatible=True, version_compatible=True, optimization_level=3,
+                                   max_num_tokens=1, build_s=1.0), here, {"name": "GPU", "compute_capability": "8.6"},
+                     "e.plan")
 
 
 def test_current_gpu_names_what_is_missing_without_one():
