@@ -122,7 +122,7 @@ _SET_ATTR = "accessor_policies8str_attrEEaS"
 _EXPORT_VALUES = "enum_base13export_valuesEv"
 _ENUM_VALUE = "_ZN8pybind116detail9enum_base5valueE"  # an enum value registered inline
 _GETATTR = "_ZN8pybind117getattrE"  # a method's sibling lookup, by its name
-_API_FORMAT = 6  # bump when the extraction changes: the cache is keyed by it
+_API_FORMAT = 7  # bump when the extraction changes: the cache is keyed by it
 
 
 @dataclass
@@ -392,8 +392,7 @@ def _python_additions(api: Api, init_source: str) -> None:
         elif isinstance(node, (ast.Assign, ast.If)):
             for target in (t for n in ast.walk(node) if isinstance(n, ast.Assign) for t in n.targets):
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
-                    api.classes.setdefault(target.value.id, set()).add(target.attr) \
-                        if target.value.id not in api.enums else api.enums[target.value.id].add(target.attr)
+                    api.classes[target.value.id].add(target.attr)  # DataType.itemsize: a property
     api.module.add("__version__")
 
 
@@ -491,12 +490,12 @@ class StubTensorRT(types.ModuleType):
         if name not in self.api.members(owner):
             self.unmapped.add(qualified)
         self.used.add(qualified)
-        if owner in self.api.enums:
+        if owner in self.api.enums and name not in self.api.classes.get(owner, ()):
             return self.value(owner, name)
         if name in self.api.enums:  # a nested enum, e.g. ILogger.Severity
             return self.cls(name)
         if name in self.api.enums.get("Severity", ()) and "Severity" in self.api.members(owner):
-            return self.value("Severity", name)  # ILogger's exported severities
+            return self.value("Severity", name)  # ILogger.ERROR: the Severity values, exported
         return _Member(self, owner, name, instance)
 
     def check_call(self, owner: str, name: str, keywords: dict) -> None:
@@ -802,8 +801,10 @@ def _core(trt: StubTensorRT) -> dict[str, object]:
             low, _, high = self._engine._profile.get(name, [None] * 3) if tensor else [None] * 3
             if tensor is None or tensor["mode"] != "INPUT":
                 problem = f"{name} is not an input tensor"
-            elif len(shape) != len(tensor["shape"]) or low is None and -1 in tensor["shape"]:
-                problem = f"rank of {name} is {len(tensor['shape'])}, given {shape}"
+            elif len(shape) != len(tensor["shape"]):
+                problem = f"{name} has rank {len(tensor['shape'])}, given {list(shape)}"
+            elif low is None and any(d not in (-1, size) for d, size in zip(tensor["shape"], shape)):
+                problem = f"{name} is static {tensor['shape']}, given {list(shape)}"
             elif low is not None and not all(lo <= d <= hi for lo, d, hi in zip(low, shape, high)):
                 problem = f"{name}: {list(shape)} is outside the profile's [{list(low)}, {list(high)}]"
             else:
