@@ -75,7 +75,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
     if backend == "tensorrt" and paged is None:
         raise LlmcError("--no-paged: TensorRT engines are paged (the llmc::paged_attention plugin); drop --no-paged")
     resolve(level, passes)  # a bad option fails before the model is read
-    mixed = check_options(precision)
+    mixed = check_options(precision, backend)
     start = time.perf_counter()
     model = load_onnx(onnx_path)
     validate(model, onnx_path)
@@ -112,7 +112,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
             precision_entry["per_token_as_matmulnbits"] = lower_per_token_for_onnxruntime(model)
         refresh_shapes(model)  # the paged lowering reads ranks
         if backend == "tensorrt":
-            precision_entry["weight_only_as_dequantize_linear"] = matmulnbits_as_dequantize(model)
+            precision_entry["weight_only_as_dequantize_linear"] = matmulnbits_as_dequantize(model, progress)
         if float_graph is not None:
             rewritten = {name: values for name, values in layers.items() if precision_entry["linears"][name] != "fp32"}
             accuracy = check_accuracy(float_graph, model, held_back, rewritten, max_ppl_increase=precision.max_ppl_increase,

@@ -69,9 +69,11 @@ def build_engine(model: onnx.ModelProto, profile: dict[str, tuple[tuple[int, ...
     from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, Profile
     from polygraphy.exception import PolygraphyException
 
-    from llmc.plugins.tensorrt_plugin import register_plugin
+    from llmc.plugins.tensorrt_plugin import register_plugin, set_ptx_target
 
     register_plugin()
+    # A hardware-compatible engine runs on any GPU from Ampere on: its kernel's PTX must target sm_80.
+    set_ptx_target(hardware_compatible=options.hardware_compatible)
     logger = _recording_logger(trt)
     shapes = Profile()
     for name, (low, opt, high) in profile.items():

@@ -300,12 +300,17 @@ def test_compile_json_is_one_summary_a_ci_job_can_record(tiny_llama_onnx, tmp_pa
     assert json.loads(quantized.stdout)["precision"]["weights_symmetric"] is True
 
 
-def test_dry_run_json_exits_2_with_the_nodes_at_fault(tiny_llama_onnx, tmp_path):
+def test_dry_run_json_exits_2_with_the_nodes_at_fault(tiny_llama_onnx, tmp_path, monkeypatch):
+    from llmc.compiler import tensorrt_support
+
+    monkeypatch.delitem(tensorrt_support.PARSER_OPS, "RotaryEmbedding")  # as if the parser lacked it
     result = CliRunner().invoke(main, ["compile", str(tiny_llama_onnx), "-o", str(tmp_path / "e.plan"), "--backend",
-                                       "tensorrt", "--dry-run", "--json", "--int8-dynamic", "--force"])
+                                       "tensorrt", "--dry-run", "--json"])
     assert result.exit_code == 2
     check = json.loads(result.stdout)
-    assert check["dry_run"] and check["unsupported"] and all("computed at run time" in u for u in check["unsupported"])
+    assert check["dry_run"] and check["unsupported"]
+    assert all("no importer for RotaryEmbedding" in u for u in check["unsupported"]), check["unsupported"]
+    assert not (tmp_path / "e.plan").exists()
 
 
 def test_inspect_json_says_whether_the_engine_runs_here(engine_copy):

@@ -259,6 +259,8 @@ def test_compile_builds_what_the_graph_and_options_ask(built_engine, trt):
     built = json.loads(bytes(engine.sections["engine.trt"]))
     assert built["creation_flags"] == ["PREFER_AOT_PYTHON_PLUGINS"] and built["builder_flags"] == []
     assert "AMPERE_PLUS" in built["hardware_compatibility_level"]
+    from llmc.plugins.tensorrt_plugin import ptx_capability
+    assert ptx_capability() == 80  # the plugin's PTX runs on every GPU the engine may meet
     inputs = {t["name"]: t for t in built["inputs"]}
     assert inputs["input_ids"]["dims"] == [None, "tokens"] and inputs["logits_rows"]["dims"] == ["rows"]
     assert inputs["context_lens"]["dims"] == ["seqs"] and inputs["key_cache.0"]["dims"][0] == "blocks"
@@ -274,10 +276,13 @@ def test_compile_builds_what_the_graph_and_options_ask(built_engine, trt):
         max_num_tokens=24, build_s=manifest["tensorrt"]["build_s"])
 
 
-def test_version_compatible_sets_the_builder_flag(build, tiny_llama_onnx, tmp_path):
+def test_version_compatible_sets_the_builder_flag(build, tiny_llama_onnx, tmp_path, monkeypatch):
     build(tiny_llama_onnx, tmp_path / "e.plan", version_compatible=True)
     built = json.loads(bytes(read_engine(tmp_path / "e.plan").sections["engine.trt"]))
     assert built["builder_flags"] == ["VERSION_COMPATIBLE"] and built["hardware_compatibility_level"] is None
+    from llmc.plugins import tensorrt_plugin
+    monkeypatch.setattr(tensorrt_plugin, "current_gpu", lambda: {"compute_capability": "8.9"})
+    assert tensorrt_plugin.ptx_capability() == 89  # not hardware-compatible: the build GPU's own architecture
 
 
 def test_a_layer_the_builder_refuses_is_named_in_one_line(build, trt, tiny_llama_onnx, tmp_path):

@@ -233,11 +233,19 @@ def test_dry_run_on_tiny_llama_passes_and_writes_nothing(tiny_llama_onnx, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_run_time_activation_scales_are_named_as_having_no_tensorrt_form(tiny_llama_onnx, tmp_path):
-    """Per-token scales (the CLI refuses --int8-dynamic with TensorRT before any work; the API
-    builds the graph): every Q/DQ pair on them is named, and the line says what is true."""
-    manifest = compile_model(tiny_llama_onnx, tmp_path / "e.plan", backend="tensorrt",
-                             precision=PrecisionOptions(int8_dynamic=True, force=True),
+def test_run_time_activation_scales_are_named_as_having_no_tensorrt_form(tiny_llama_onnx, tmp_path, monkeypatch):
+    """Per-token scales: compile refuses --int8-dynamic with TensorRT before any work; past that
+    refusal the dry run still names every Q/DQ pair on them, and the line says what is true."""
+    from llmc.compiler import build
+    from llmc.errors import LlmcError
+    from llmc.precision import plan
+
+    options = PrecisionOptions(int8_dynamic=True, force=True)
+    with pytest.raises(LlmcError, match="--int8-dynamic"):
+        compile_model(tiny_llama_onnx, tmp_path / "e.plan", backend="tensorrt", precision=options,
+                      tensorrt=TensorRTOptions(dry_run=True))
+    monkeypatch.setattr(build, "check_options", lambda precision, backend: plan.check_options(precision))
+    manifest = compile_model(tiny_llama_onnx, tmp_path / "e.plan", backend="tensorrt", precision=options,
                              tensorrt=TensorRTOptions(dry_run=True))
     faults = manifest["tensorrt_check"]["unsupported"]
     assert faults and all("computed at run time" in line and "CPU backend only" in line for line in faults)
