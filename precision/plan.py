@@ -212,9 +212,7 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
             (precision/int8.py `OUTLIER_FORMS`): what the backend can run.
     """
     linears = linear_layers(model)
-    base = ("int8" if options.int8_calib else "int8-dynamic" if options.int8_dynamic
-            else {"int8": "int8-weights", "int4": "int4"}.get(options.weights) or ("fp16" if options.fp16 else "fp32"))
-    chosen = {l.name: base for l in linears}
+    chosen = {l.name: options.base for l in linears}
     op_rules: dict[str, str] = {}
     if config is not None and config.default is not None:
         chosen = {name: config.default for name in chosen}
