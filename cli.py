@@ -290,8 +290,21 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
                           if e["matches"] and not e["pass"].startswith(("eliminate-", "fold-")))
         click.echo(f"optimized: {manifest['source']['nodes']} → {steps[-1]['nodes_after']} nodes ({fused or 'no fusions'})")
     g = manifest["geometry"]
-    click.echo(f"wrote {output}: {manifest['backend']}, {manifest['dtype']}, {g['num_layers']} layers, "
+    click.echo(f"wrote {output}: {manifest['backend']}, {_precision_summary(manifest)}, {g['num_layers']} layers, "
                f"vocab {g['vocab_size']}, {g['max_positions']} positions")
+
+
+def _precision_summary(manifest: dict) -> str:
+    """The model's dtype and, when a precision option rewrote it, what its linear layers became
+    ("float32 model; linears: int8 ×90, int8-weights ×31; fp16 elsewhere")."""
+    precision = manifest.get("precision")
+    if not precision:
+        return manifest["dtype"]
+    counts: dict[str, int] = {}
+    for kind in precision["linears"].values():
+        counts[kind] = counts.get(kind, 0) + 1
+    linears = ", ".join(f"{kind} ×{count}" for kind, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return f"{manifest['dtype']} model; linears: {linears}" + ("; fp16 elsewhere" if precision.get("fp16") else "")
 
 
 # compile's options that only a TensorRT build reads, and those only a paged engine reads.

@@ -11,5 +11,5 @@ llmc compile out/model.onnx -o out/engine.plan
 llmc inspect out/engine.plan
 # tiny-llama's weights are random: generating from it shows nothing. The trained model has learned Python.
 llmc export data/pystdlib-llama -o out/pystdlib.onnx
-llmc compile out/pystdlib.onnx -o out/pystdlib.plan
+llmc compile out/pystdlib.onnx --fp16 --int8-calib data/pystdlib-text/calib -o out/pystdlib.plan
 llmc run out/pystdlib.plan --prompt "def fibonacci(" --max-new-tokens 48
