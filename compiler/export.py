@@ -30,7 +30,7 @@ import torch
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
 from llmc.formats.decoder_interface import Geometry, geometry_metadata
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, first_line
 from llmc.formats.onnx_io import EXTERNAL_DATA_THRESHOLD, save_ir_model, save_serialized, save_with_external_data
 from llmc.formats.sessions import session_options
 from llmc.models import LoadedModel, load_model
@@ -114,13 +114,11 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     progress(f"exporting {loaded.name}: {geometry.num_layers} layers, {geometry.num_heads} heads, "
              f"{geometry.num_kv_heads} kv heads, vocab {geometry.vocab_size}, {weights_gb:.2f} GB of weights "
              f"(loaded in {time.perf_counter() - start:.1f} s)")
-    if exporter == "auto":
-        exporter = "torchscript"
     start = time.perf_counter()
-    graph = (_trace_torchscript if exporter == "torchscript" else _to_onnx)(loaded.model, geometry)
+    graph, exporter = _traced(loaded, geometry, exporter, progress)
     progress(f"traced to ONNX ({exporter}) in {time.perf_counter() - start:.1f} s")
     # One window for every layer, or one per layer (Gemma 2/3, Qwen2's max_window_layers), 0 = full.
-    windows = [w or 0 for w in getattr(loaded.model.args, "layer_windows", ())]
+    windows = [w or 0 for w in _layer_windows(loaded.model)]
     uniform = len(set(windows)) <= 1
     metadata = {**geometry_metadata(geometry, (windows[0] or None) if windows and uniform else None),
                 TOKENIZER_METADATA_KEY: loaded.tokenizer.to_json(), "llmc.source_model": loaded.name,
@@ -142,6 +140,34 @@ def export(model: str | LoadedModel, output: str | os.PathLike, *, check: bool =
     progress(f"wrote {output} in {_timed(save_ir_model, graph, output):.1f} s")
     del graph
     return _checked(loaded.model, output, check, progress)
+
+
+def _traced(loaded: LoadedModel, geometry: Geometry, exporter: str, progress: Callable[[str], None]):
+    """The graph by `exporter`, and the exporter that made it. "auto" takes the TorchScript one, and
+    torch.export's where TorchScript cannot convert the model (transformers' modules outside the
+    table may use what its converter lacks, e.g. Cohere's interleaved rotary)."""
+    if exporter != "auto":
+        return (_trace_torchscript if exporter == "torchscript" else _to_onnx)(loaded.model, geometry), exporter
+    try:
+        return _trace_torchscript(loaded.model, geometry), "torchscript"
+    except Exception as torchscript_error:  # any failure of its converter: the other exporter decides
+        progress(f"the TorchScript exporter cannot convert {loaded.name} ({_one_line(torchscript_error)}); "
+                 "trying torch.export")
+        try:
+            return _to_onnx(loaded.model, geometry), "dynamo"
+        except Exception as dynamo_error:
+            raise LlmcError(f"export: neither torch.onnx exporter converts {loaded.name}: TorchScript: "
+                            f"{_one_line(torchscript_error)}; torch.export: {_one_line(dynamo_error)}") from None
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {first_line(error, 160)}"
+
+
+def _layer_windows(model: torch.nn.Module) -> Sequence[int | None]:
+    """Each layer's attention window (None or 0: full); the table's models keep them in their args,
+    transformers' (models/transformers_module.py) on the module."""
+    return getattr(model.args, "layer_windows", ()) if hasattr(model, "args") else model.layer_windows
 
 
 def _timed(function: Callable, *args, **kwargs) -> float:

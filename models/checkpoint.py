@@ -1,9 +1,10 @@
 """Load a Hugging Face checkpoint folder (config.json, safetensors, tokenizer.json) into an llmc model.
 
-Weights are read with safetensors directly, so transformers is not needed at run time.
-Every tensor in the files must map to one of our parameters (buffers such as rotary
-tables and GPT-2 causal masks are skipped) and every parameter must be found, with the
-right shape; otherwise an LlmcError names the tensor and the file.
+For the families in llmc's table (`FAMILIES`), weights are read with safetensors directly into
+llmc's own modules: every tensor in the files must map to one of our parameters (buffers such as
+rotary tables and GPT-2 causal masks are skipped) and every parameter must be found, with the
+right shape; otherwise an LlmcError names the tensor and the file. Any other model_type is built
+by transformers (models/transformers_module.py).
 """
 
 from __future__ import annotations
@@ -58,9 +59,13 @@ def load_checkpoint(folder: str | Path) -> LoadedModel:
     folder = Path(folder)
     if not folder.is_dir():
         raise LlmcError(f"checkpoint folder {folder} does not exist")
-    with _without_weight_init():
-        model = build_model(read_config(folder), folder / "config.json")
-    load_weights(model, folder)
+    cfg = read_config(folder)
+    if cfg.get("model_type") in FAMILIES:
+        with _without_weight_init():
+            model = build_model(cfg, folder / "config.json")
+        load_weights(model, folder)
+    else:
+        model = _transformers_model(folder, cfg)
     try:
         tokenizer = Tokenizer.from_folder(folder)
     except LlmcError:
@@ -68,6 +73,17 @@ def load_checkpoint(folder: str | Path) -> LoadedModel:
     except ValueError as e:  # the tokenizer module reports bad files as plain ValueErrors
         raise LlmcError(first_line(e)) from None
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, name=folder.resolve().name)
+
+
+def _transformers_model(folder: Path, cfg: dict[str, Any]) -> torch.nn.Module:
+    """A family outside the table, as transformers builds it (models/transformers_module.py)."""
+    try:
+        from .transformers_module import load_transformers_checkpoint
+    except ModuleNotFoundError as e:
+        raise LlmcError(f"{folder / 'config.json'}: model_type {cfg.get('model_type')!r} is not one of llmc's own "
+                        f"families ({', '.join(FAMILIES)}) and is exported through transformers, which is not "
+                        f"installed ({e.name}): pip install transformers") from None
+    return load_transformers_checkpoint(folder, cfg)
 
 
 def read_config(folder: Path) -> dict[str, Any]:
