@@ -24,7 +24,7 @@ import onnx
 from llmc.formats.decoder_interface import DecoderInterface
 from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.errors import LlmcError
-from llmc.passes.lower_paged_attention import LowerPagedAttention
+from llmc.passes.lower_paged_attention import LowerPagedAttention, to_3d_attention
 from llmc.passes.lower_single_sequence import LowerSingleSequence
 from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
 
@@ -106,8 +106,12 @@ def lower(model: onnx.ModelProto, interface: DecoderInterface, options: PagedOpt
     computed = any("position_ids" in n.output for n in model.graph.node)  # canonicalize-gqa's, from the mask
     if not interface.has_position_ids and not computed:
         return "the graph has no position_ids input", None
+    # Both lowerings read 3-D attention; the query heads come from the interface where the graph
+    # does not carry them (a file with a config.json beside it and no llmc metadata).
+    to_3d_attention(model, interface.geometry.num_heads)
     single = single_sequence_graph(model, interface, options, pad_lone_token) if single_sequence else None
-    LowerPagedAttention(options.block_size, options.kv_dtype, interface.windows).run(model)
+    LowerPagedAttention(options.block_size, options.kv_dtype, interface.windows,
+                        interface.geometry.num_heads).run(model)
     return None, single
 
 

@@ -30,9 +30,10 @@ and becomes its PagedAttention's ``window`` attribute. The Attention's ``softcap
 carried over as it is. Layer i's Attention is the one that reads
 ``past_key_values.{i}.key``.
 
-Preconditions: run last, after attention-3d-layout. A layer whose attention was not
-canonicalized is an error naming it: silently leaving a dense attention behind would attend
-across sequences.
+Preconditions: run last, after fuse-attention. A 4-D Attention (one attention-3d-layout did not
+convert, or a pipeline without it) is given the 3-D form here (`to_3d_attention`). A layer whose
+attention was not canonicalized, or whose 4-D Attention cannot be made 3-D, is an error naming it:
+silently leaving a dense attention behind would attend across sequences.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from llmc.errors import LlmcError
+from llmc.formats.onnx_io import infer_value_info
+from llmc.passes.attention_3d_layout import Attention3dLayout
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.contrib_ops import DOMAIN as CONTRIB_DOMAIN
 from llmc.passes.graph import DEFAULT_DOMAINS, Graph, attr
@@ -55,18 +58,21 @@ class LowerPagedAttention(Pass):
     name = "lower-paged-attention"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, kv_dtype: str | None = None,
-                 windows: Sequence[int] | None = None):
+                 windows: Sequence[int] | None = None, num_heads: int | None = None):
         """Args:
             block_size: tokens per pool block.
             kv_dtype: the pool inputs' element type ("float16", "float32"); None: the model's.
             windows: each layer's attention window, 0 for full attention; None: all full.
+            num_heads: the model's query heads, for a 4-D Attention whose query shape does not
+                give them (None: the ``llmc.num_heads`` metadata).
         """
         if block_size not in BLOCK_SIZES:
             raise LlmcError(f"--block-size: {block_size} is not supported (powers of two from 1 to 256)")
-        self.block_size, self.kv_dtype = block_size, kv_dtype
+        self.block_size, self.kv_dtype, self.num_heads = block_size, kv_dtype, num_heads
         self.windows = None if windows is None else tuple(windows)
 
     def run(self, model: onnx.ModelProto) -> PassResult:
+        to_3d_attention(model, self.num_heads)
         graph = Graph(model)
         inputs = {i.name: i for i in model.graph.input}
         layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
@@ -180,6 +186,24 @@ def _projects_by_constant(graph: Graph, node: onnx.NodeProto) -> bool:
     return node.input[1] in graph.initializers
 
 
+def to_3d_attention(model: onnx.ModelProto, num_heads: int | None = None) -> None:
+    """Give every 4-D Attention the 3-D layout the paged forms read (attention-3d-layout, whose
+    conversions cover any 4-D Attention whose head counts and head size are known), shapes
+    refreshed after; a graph without one is left as it is.
+
+    Args:
+        model: the optimized graph, changed in place.
+        num_heads: the model's query heads (None: the ``llmc.num_heads`` metadata).
+    """
+    graph = Graph(model)
+    if all(graph.rank(n.input[0]) != 4 for n in model.graph.node
+           if n.op_type == "Attention" and n.domain in DEFAULT_DOMAINS):
+        return
+    if Attention3dLayout(num_heads).run(model).matches:
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(infer_value_info(model, data_prop=True))
+
+
 def attentions_by_layer(model: onnx.ModelProto, graph: Graph, layers: int, stage: str) -> dict[int, onnx.NodeProto]:
     """Each layer's 3-D Attention node (layer i's reads ``past_key_values.{i}.key``); raises
     LlmcError naming the first layer that has none, or a 4-D one."""
@@ -195,7 +219,8 @@ def attentions_by_layer(model: onnx.ModelProto, graph: Graph, layers: int, stage
             raise LlmcError(f"{stage}: layer {layer}'s attention could not be canonicalized "
                             "to one Attention node (see the fuse-attention report)")
         if graph.rank(node.input[0]) != 3:
-            raise LlmcError(f"{stage}: layer {layer}'s Attention is 4-D; run attention-3d-layout first")
+            raise LlmcError(f"{stage}: layer {layer}'s Attention ({node.name}) is 4-D and has no 3-D form: "
+                            "its head counts or head size are not known from the graph, or K and V differ in heads")
     return attentions
 
 

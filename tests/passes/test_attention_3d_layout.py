@@ -53,6 +53,29 @@ def test_attention_output_read_in_4d_is_converted_back(tiny_llama_onnx):
         if node.op_type == "Attention":
             assert {a.name for a in node.attribute} >= {"q_num_heads", "kv_num_heads"}
 
+
+def test_split_heads_read_by_shape_nodes_still_go(tiny_llama_onnx):
+    """Shape readers of the split-head values (fuse-rotary's batch of the rotary input,
+    fuse-attention's key length from the new K) are computed from the 3-D tensors instead; their
+    values are graph outputs here, so run_pass compares them with the input graph's."""
+    model = fused_tiny_llama(tiny_llama_onnx)
+    attention = next(n for n in model.graph.node if n.op_type == "Attention")
+    rotary = next(n for n in model.graph.node if n.output[0] == attention.input[1])
+    readers = [("batch", rotary.input[0], {"start": 0, "end": 1}), ("key", attention.input[1], {}),
+               ("value", attention.input[2], {"start": -2})]
+    for name, read, bounds in readers:
+        model.graph.node.append(onnx.helper.make_node("Shape", [read], [f"shape_of_{name}"], **bounds))
+        model.graph.output.append(onnx.helper.make_tensor_value_info(f"shape_of_{name}", onnx.TensorProto.INT64, [None]))
+    refresh_shapes(model)
+    before = op_counts(model)
+    result = run_pass(Attention3dLayout(), model, tolerance=1e-5)
+    after = op_counts(result.model)
+    assert result.matches == 4
+    # The split layout goes in every layer, the readers' layer included (no conversions added).
+    assert before["Transpose"] - after["Transpose"] == 4 * 4
+    assert all(n.input[0] not in {read for _, read, _ in readers} for n in result.model.graph.node)
+
+
 def _bare_4d_attention(query_heads_known: bool) -> onnx.ModelProto:
     """Attention-23 on 4-D inputs that come straight from graph inputs: no head split to undo."""
     value = onnx.helper.make_tensor_value_info
@@ -82,9 +105,10 @@ def test_any_4d_attention_gets_explicit_conversions():
     assert (attrs["q_num_heads"], attrs["kv_num_heads"], attrs["scale"]) == (4, 2, 0.25)
 
 
-def test_unknown_query_heads_come_from_metadata_or_the_match_is_left():
+def test_unknown_query_heads_come_from_the_caller_or_metadata_or_the_match_is_left():
     model = _bare_4d_attention(query_heads_known=False)
     assert Attention3dLayout().run(copy.deepcopy(model)).matches == 0
     # The seeded comparison feeds 2 for a symbolic dim, so the model must say 2 heads.
+    assert run_pass(Attention3dLayout(num_heads=2), copy.deepcopy(model), tolerance=1e-5).matches == 1
     onnx.helper.set_model_props(model, {"llmc.num_heads": "2"})
     assert run_pass(Attention3dLayout(), model, tolerance=1e-5).matches == 1
