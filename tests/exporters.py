@@ -11,7 +11,7 @@ ONNX decoder with past through one of:
   (`torch.onnx.export(..., dynamo=False, opset_version=17, dynamic_axes=...)`), as Optimum uses.
 - ``optimum``: Optimum itself (`main_export(task="text-generation-with-past")`, what
   `optimum-cli export onnx --task text-generation-with-past` runs), from a venv of its own because
-  optimum-onnx pins transformers < 4.58 (`optimum_python`; tests/README.md). Its graph is
+  optimum-onnx pins transformers < 4.58 (tests/optimum_venv.py; tests/README.md). Its graph is
   transformers 4.57's sdpa attention through the TorchScript exporter at opset 18.
 
 All three write the same interface: inputs ``input_ids``, ``attention_mask``, ``position_ids``,
@@ -30,11 +30,8 @@ sys.path).
 
 from __future__ import annotations
 
-import fcntl
 import io
-import os
 import subprocess
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -49,12 +46,14 @@ from llmc.formats.decoder_interface import Geometry, _config_windows, geometry_m
 from llmc.compiler.export import io_names, quiet_exporter
 from llmc.formats.onnx_io import save_onnx
 from llmc.tokenizer import Tokenizer
+# ExporterUnavailable: callers catch it from here.
+from optimum_venv import ExporterUnavailable, optimum_python  # noqa: F401
 
 EXPORTERS = ("llmc", "dynamo", "torchscript", "optimum")
+# The same Optimum export through the command the README names, for the real-shape matrix
+# (tests/compiler/test_real_shape_exports.py); it writes what ``optimum`` writes.
+OPTIMUM_CLI = "optimum-cli"
 
-# Where the Optimum venv is built once and kept between test runs.
-CACHE = Path(os.environ.get("LLMC_TEST_CACHE", Path.home() / ".cache" / "llmc-tests"))
-OPTIMUM_REQUIREMENT = "optimum-onnx==0.1.0"
 _OPTIMUM_SCRIPT = Path(__file__).with_name("optimum_export.py")
 
 # Example sizes for tracing: 0 and 1 would be specialized (torch.export) or baked in, so use larger.
@@ -77,8 +76,8 @@ def export_decoder(folder: Path, exporter: str, output: Path, *, attention: str 
         ExporterUnavailable: the ``optimum`` venv cannot be built here (tests skip on it).
     """
     folder, output = Path(folder), Path(output)
-    if exporter not in EXPORTERS:
-        raise ValueError(f"unknown exporter {exporter!r} (known: {', '.join(EXPORTERS)})")
+    if exporter not in (*EXPORTERS, OPTIMUM_CLI):
+        raise ValueError(f"unknown exporter {exporter!r} (known: {', '.join(EXPORTERS)}, {OPTIMUM_CLI})")
     output.parent.mkdir(parents=True, exist_ok=True)
     if exporter == "llmc":
         from llmc.compiler.export import export
@@ -86,10 +85,10 @@ def export_decoder(folder: Path, exporter: str, output: Path, *, attention: str 
         export(str(folder), output, check=False)
         return output
 
-    if exporter == "optimum":
+    if exporter in ("optimum", OPTIMUM_CLI):
         config = transformers.AutoConfig.from_pretrained(folder)
         geometry = hf_geometry(config)
-        proto = _export_optimum(folder, output.parent)
+        proto = _export_optimum(folder, output.parent, cli=exporter == OPTIMUM_CLI)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, attn_implementation=attention, dtype=torch.float32).eval()
@@ -170,44 +169,13 @@ def hf_windows(config: transformers.PreTrainedConfig) -> list[int] | None:
     return _config_windows(config.to_dict())
 
 
-class ExporterUnavailable(RuntimeError):
-    """The exporter cannot run on this machine (its package could not be installed)."""
-
-
-def optimum_python() -> Path:
-    """The python of a venv holding Optimum, built on first use and cached under CACHE.
-
-    `python -m venv --system-site-packages` plus `pip install optimum-onnx==0.1.0`: torch and
-    onnx come from the system, while transformers 4.57 (optimum-onnx's pin) shadows the project's
-    5.x inside the venv only. A lock serializes concurrent builders.
-
-    Raises:
-        ExporterUnavailable: pip could not install the package (e.g. no registry reachable).
-    """
-    venv = CACHE / "optimum-venv"
-    python = venv / "bin" / "python"
-    ready = venv / ".llmc-ready"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / "optimum-venv.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if ready.is_file() and ready.read_text() == OPTIMUM_REQUIREMENT:
-            return python
-        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-        install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", OPTIMUM_REQUIREMENT],
-                                 capture_output=True, text=True)
-        if install.returncode:
-            last = (install.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ExporterUnavailable(f"pip install {OPTIMUM_REQUIREMENT} failed: {last}")
-        ready.write_text(OPTIMUM_REQUIREMENT)
-    return python
-
-
-def _export_optimum(folder: Path, workspace: Path) -> onnx.ModelProto:
-    """Optimum's export of `folder`, run in the Optimum venv, loaded with its weights."""
+def _export_optimum(folder: Path, workspace: Path, cli: bool) -> onnx.ModelProto:
+    """Optimum's export of `folder` (`main_export`, or `optimum-cli` with `cli`), run in the
+    Optimum venv, loaded with its weights."""
     python = optimum_python()
     with tempfile.TemporaryDirectory(prefix="optimum-", dir=workspace) as scratch:
         out = Path(scratch) / "out"
-        run = subprocess.run([str(python), str(_OPTIMUM_SCRIPT), str(folder), str(out)],
+        run = subprocess.run([str(python), str(_OPTIMUM_SCRIPT), str(folder), str(out), *(["--cli"] if cli else [])],
                              capture_output=True, text=True, timeout=900)
         if run.returncode:
             raise RuntimeError(f"Optimum export of {folder} failed:\n{run.stderr[-3000:]}")

@@ -1,6 +1,6 @@
 """Export a checkpoint folder with Optimum; run by the Optimum venv's python, not by pytest.
 
-    <optimum-venv>/bin/python tests/optimum_export.py CHECKPOINT OUT_FOLDER
+    <optimum-venv>/bin/python tests/optimum_export.py CHECKPOINT OUT_FOLDER [--cli]
 
 Optimum (optimum-onnx 0.1.0) pins transformers < 4.58, so it lives in a venv of its own
 (`exporters.optimum_python`), where transformers 4.57 shadows the project's 5.x. The checkpoint
@@ -12,13 +12,15 @@ model. Weight names are the same in both versions for the families tested; the t
 export with transformers 5 anyway.
 
 The export is Optimum's own: `main_export(task="text-generation-with-past")`, the Python form of
-`optimum-cli export onnx --task text-generation-with-past`.
+`optimum-cli export onnx --task text-generation-with-past`, or with --cli that command itself (the
+venv's optimum-cli, as a user runs it).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def config_for_transformers4(config: dict) -> dict:
     return config
 
 
-def main(checkpoint: Path, out: Path) -> None:
+def main(checkpoint: Path, out: Path, cli: bool) -> None:
     source = out.parent / f"{out.name}-checkpoint"
     if source.exists():
         shutil.rmtree(source)
@@ -54,12 +56,17 @@ def main(checkpoint: Path, out: Path) -> None:
     config_path = source / "config.json"
     config_path.write_text(json.dumps(config_for_transformers4(json.loads(config_path.read_text())), indent=2))
 
-    from optimum.exporters.onnx import main_export
+    if cli:
+        command = Path(sys.executable).with_name("optimum-cli")
+        subprocess.run([str(command), "export", "onnx", "--model", str(source), "--task",
+                        "text-generation-with-past", str(out)], check=True)
+    else:
+        from optimum.exporters.onnx import main_export
 
-    main_export(str(source), output=str(out), task="text-generation-with-past", device="cpu",
-                do_validation=False)
+        main_export(str(source), output=str(out), task="text-generation-with-past", device="cpu",
+                    do_validation=False)
     shutil.rmtree(source)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), cli=sys.argv[3:] == ["--cli"])
