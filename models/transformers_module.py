@@ -13,6 +13,8 @@ written to the metadata for the paged engine; the cache keeps every position.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -81,24 +83,32 @@ def load_transformers_checkpoint(folder: Path, cfg: dict[str, Any]) -> Transform
     config_path = folder / "config.json"
     model_type = cfg.get("model_type")
     if model_type not in transformers.CONFIG_MAPPING:
+        nearest = difflib.get_close_matches(str(model_type), list(transformers.CONFIG_MAPPING.keys()), n=1)
         raise LlmcError(f"{config_path}: model_type {model_type!r} is neither one of llmc's own families nor "
-                        f"known to transformers {transformers.__version__}")
+                        f"known to transformers {transformers.__version__}"
+                        + (f" (nearest: {nearest[0]})" if nearest else ""))
     try:
         config = transformers.AutoConfig.from_pretrained(folder)
-        causal = transformers.AutoModelForCausalLM._model_mapping[type(config)]
-    except KeyError:
+    except Exception as e:  # whatever its config class raises on fields it refuses
+        raise LlmcError(f"{config_path}: transformers cannot read it ({_one_line(e)})") from None
+    causal = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if causal is None:
         raise LlmcError(f"{config_path}: model_type {model_type!r} has no causal-LM (decoder-only) model in "
-                        f"transformers {transformers.__version__}") from None
-    except (ValueError, TypeError, OSError) as e:
-        raise LlmcError(f"{config_path}: transformers cannot read it ({first_line(e, 200)})") from None
+                        f"transformers {transformers.__version__}")
+    _check_layer_types(config.get_text_config(), config_path)
     options = {"experts_implementation": "batched_mm"} if causal._can_set_experts_implementation() else {}
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_transformers():
             warnings.simplefilter("ignore")
-            model = causal.from_pretrained(folder, config=config, dtype=torch.float32, attn_implementation="eager",
-                                           **options).eval()
-    except (ValueError, TypeError, OSError, RuntimeError) as e:
-        raise LlmcError(f"{folder}: transformers cannot load it as {causal.__name__} ({first_line(e, 200)})") from None
+            model, loading = causal.from_pretrained(folder, config=config, dtype=torch.float32,
+                                                    attn_implementation="eager", output_loading_info=True, **options)
+    except Exception as e:  # mismatched tensors, unreadable files: its message is the line
+        raise LlmcError(f"{folder}: transformers cannot load it as {causal.__name__} ({_one_line(e)})") from None
+    # transformers fills a tensor the files lack with random values and only warns.
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:
+        raise LlmcError(f"{folder}: missing tensor {missing[0]!r} of {causal.__name__} ({len(missing)} missing in all)")
+    model.eval()
     text = config.get_text_config()
     num_heads = getattr(text, "num_attention_heads", None)
     max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
@@ -109,6 +119,36 @@ def load_transformers_checkpoint(folder: Path, cfg: dict[str, Any]) -> Transform
     windows = _config_windows(text.to_dict()) or [0] * text.num_hidden_layers
     return TransformersDecoder(model, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
                                max_positions=max_positions, layer_windows=tuple(windows))
+
+
+def _one_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {first_line(error, 200)}"
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No progress bars or advice on stderr while loading: `llmc export` reports its own stages."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.enable_progress_bar()
+        transformers.logging.set_verbosity(verbosity)
+
+
+# transformers' names for layers that keep keys and values (`layer_types`); hybrid models mix in
+# others (convolution, state-space, linear attention) whose state the paged engine has no place for.
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
+
+
+def _check_layer_types(config, config_path: Path) -> None:
+    types = getattr(config, "layer_types", None) or ()
+    other = next(((i, t) for i, t in enumerate(types) if t not in _ATTENTION_LAYER_TYPES), None)
+    if other is not None:
+        raise LlmcError(f"{config_path}: layer {other[0]} is a {other[1]!r} layer (layer_types), not attention; "
+                        "llmc's paged engine carries only attention layers' keys and values")
 
 
 def _cache_geometry(model: torch.nn.Module, folder: Path, num_layers: int) -> tuple[int, int]:
@@ -133,10 +173,10 @@ def _cache_geometry(model: torch.nn.Module, folder: Path, num_layers: int) -> tu
             raise LlmcError(f"{folder}: layer {i} ({kind}) keeps no [batch, heads, positions, head dim] "
                             f"keys and values ({type(layer).__name__}); llmc's paged attention needs them")
         if keys.shape[-1] != values.shape[-1] or keys.shape[1] != values.shape[1]:
-            raise LlmcError(f"{folder}: layer {i} ({kind}) caches keys of {keys.shape[1]} heads x "
-                            f"{keys.shape[-1]} and values of {values.shape[1]} heads x {values.shape[-1]} "
-                            "(e.g. multi-head latent attention); llmc's paged attention needs keys and values "
-                            "of one shape")
+            raise LlmcError(f"{folder}: layer {i} ({kind}) caches keys of {keys.shape[1]} x {keys.shape[-1]} "
+                            f"(heads x head dim) and values of {values.shape[1]} x {values.shape[-1]}, as "
+                            "multi-head latent attention does; llmc's paged attention needs keys and values of "
+                            "one shape")
         shapes.append((keys.shape[1], keys.shape[-1]))
     if len(cache.layers) != num_layers:
         raise LlmcError(f"{folder}: {type(model).__name__} cached {len(cache.layers)} layers of its "

@@ -92,3 +92,35 @@ def test_exported_family_compiles_paged_and_generates_transformers_greedy_tokens
     completions = LLM(engine).generate(list(PROMPTS), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for completion in completions:
         assert completion.token_ids == transformers_greedy(folder, completion.prompt_token_ids), completion.prompt
+
+
+# What the decoder-with-past interface and the paged op cannot carry, each refused before any trace.
+REFUSED = {
+    # Multi-head latent attention caches one compressed latent and a rotary key, not keys and values.
+    "deepseek_v2": (lambda: transformers.DeepseekV2Config(
+        **_COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        ": layer 0 (DeepseekV2Attention) caches keys of 1 x 16 (heads x head dim) and values of 1 x 8, as "
+        "multi-head latent attention does; llmc's paged attention needs keys and values of one shape"),
+    # A hybrid: convolution layers keep a state of their own.
+    "lfm2": (lambda: transformers.Lfm2Config(**_GQA, layer_types=["conv", "full_attention"]),
+             "/config.json: layer 0 is a 'conv' layer (layer_types), not attention; llmc's paged engine carries "
+             "only attention layers' keys and values"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_what_the_paged_engine_cannot_carry_is_one_line_naming_the_layer(family, tmp_path):
+    config, message = REFUSED[family]
+    folder = write_checkpoint(tmp_path / family, config())
+    result = CliRunner().invoke(main, ["export", str(folder), "-o", str(tmp_path / "model.onnx")])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [f"llmc: error: {folder}{message}"]
+    assert not (tmp_path / "model.onnx").exists()
+
+
+def test_a_model_type_without_a_decoder_only_model_is_one_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 64, "num_layers": 2}))
+    with pytest.raises(LlmcError, match=r"config\.json: model_type 't5' has no causal-LM \(decoder-only\) model in "
+                                        r"transformers"):
+        load_model(tmp_path)

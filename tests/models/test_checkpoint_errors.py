@@ -38,19 +38,22 @@ def _edit_weights(folder: Path, edit: Callable[[dict[str, torch.Tensor]], None])
     save_file(tensors, path)
 
 
-def test_unknown_model_type(llama_copy: Path) -> None:
-    _edit_config(llama_copy, model_type="falcon")
-    with pytest.raises(LlmcError, match=r"config\.json: model_type 'falcon' is not supported \(nearest supported: "):
+def test_model_type_unknown_to_llmc_and_transformers(llama_copy: Path) -> None:
+    _edit_config(llama_copy, model_type="lama")
+    with pytest.raises(LlmcError, match=r"config\.json: model_type 'lama' is neither one of llmc's own families nor "
+                                        r"known to transformers .* \(nearest: llama\)"):
         load_checkpoint(llama_copy)
 
 
-def test_unknown_model_type_names_the_nearest_one_in_one_cli_line(llama_copy: Path) -> None:
-    # Gemma 3's multimodal config; its text-only decoder is model_type gemma3_text.
-    _edit_config(llama_copy, model_type="gemma3")
+def test_tensors_transformers_model_lacks_are_one_cli_line(llama_copy: Path) -> None:
+    # Outside llmc's table transformers builds the model, and would fill what the files lack with
+    # random weights: a llama checkpoint relabeled as Mixtral has no experts.
+    _edit_config(llama_copy, model_type="mixtral")
     result = CliRunner().invoke(main, ["export", str(llama_copy), "-o", str(llama_copy / "model.onnx")])
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and "model_type 'gemma3' is not supported (nearest supported: gemma3_text;" in lines[0]
+    assert len(lines) == 1 and f"{llama_copy}: missing tensor 'model.layers.0.mlp.experts." in lines[0]
+    assert "of MixtralForCausalLM (" in lines[0]
 
 
 def test_unsupported_rope_type(llama_copy: Path) -> None:
