@@ -6,6 +6,10 @@ batch, sequence and past length dynamic — the interface Optimum and onnxruntim
 `llmc compile` treats their files and ours alike. The tokenizer and the geometry the interface
 cannot show travel in the graph's metadata. After writing, the graph is run with onnxruntime
 against PyTorch on seeded inputs (a prefill, then a decode step with past).
+
+The model is llmc's own module for the families in its table (models/decoder.py, gpt2.py), or
+transformers' module behind the same forward contract for any other decoder-only model_type
+(models/transformers_module.py); both are traced and checked alike.
 """
 
 from __future__ import annotations

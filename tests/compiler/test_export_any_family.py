@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+import onnx
+import onnxruntime as ort
 import pytest
 import torch
 import transformers
@@ -124,3 +127,33 @@ def test_a_model_type_without_a_decoder_only_model_is_one_line(tmp_path):
     with pytest.raises(LlmcError, match=r"config\.json: model_type 't5' has no causal-LM \(decoder-only\) model in "
                                         r"transformers"):
         load_model(tmp_path)
+
+
+def test_both_paths_export_a_table_family_to_the_same_logits(tmp_path):
+    """A family both paths load (Llama): transformers' module, forced, writes the interface and
+    metadata the table's writes, and onnxruntime gives the same logits and presents."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    from llmc.compiler.export import io_names, model_geometry, sample_inputs
+    from llmc.models.checkpoint import LoadedModel, read_config
+    from llmc.models.transformers_module import load_transformers_checkpoint
+    from llmc.tokenizer import Tokenizer
+
+    folder = write_hf_checkpoint(tmp_path / "llama", "llama")
+    table = load_model(folder)
+    forced = LoadedModel(load_transformers_checkpoint(folder, read_config(folder)), Tokenizer.from_folder(folder),
+                         folder.name)
+    assert model_geometry(forced.model) == model_geometry(table.model)
+    graphs = []
+    for name, loaded in (("table", table), ("transformers", forced)):
+        export(loaded, tmp_path / f"{name}.onnx")
+        graphs.append(onnx.load(tmp_path / f"{name}.onnx"))
+    inputs, outputs = io_names(table.model.num_layers)
+    for graph in graphs:
+        assert [i.name for i in graph.graph.input] == inputs and [o.name for o in graph.graph.output] == outputs
+    metadata = [{p.key: p.value for p in g.metadata_props if p.key != "llmc.source_model"} for g in graphs]
+    assert metadata[0] == metadata[1]
+    feeds = {k: v.numpy() for k, v in sample_inputs(model_geometry(table.model), 2, 6, 3, seed=4).items()}
+    got, want = (ort.InferenceSession(g.SerializeToString()).run(None, feeds) for g in graphs)
+    for name, g, w in zip(outputs, got, want):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=0, err_msg=name)
