@@ -32,19 +32,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LLMC_TEST_CACHE", Path.home() / ".cache" / "llmc-tests"))
 
 
-def genai_model(family: str, precision: str = "fp32") -> tuple[Path, Path]:
+def genai_model(family: str, precision: str = "fp32", real_shape: bool = False) -> tuple[Path, Path]:
     """(checkpoint folder, builder output folder) for `family`, both cached.
 
     Args:
         family: one of hf_checkpoints.ALL_FAMILIES.
         precision: the builder's -p: fp32, or int4 (MatMulNBits weights), fp16, ...
+        real_shape: the checkpoint at hf_checkpoints' real-shape geometry.
 
     Raises:
         BuilderRefused: the builder failed on this family (tests skip with its reason).
     """
     import onnxruntime_genai
 
-    root = cache_dir() / f"genai-{onnxruntime_genai.__version__}" / (family if precision == "fp32" else f"{family}-{precision}")
+    root = cache_dir() / f"genai-{onnxruntime_genai.__version__}" / (
+        (family if precision == "fp32" else f"{family}-{precision}") + ("-real-shape" if real_shape else ""))
     checkpoint, output = root / "checkpoint", root / "genai"
     refused = root / "refused.txt"
     if refused.is_file():
@@ -54,7 +56,7 @@ def genai_model(family: str, precision: str = "fp32") -> tuple[Path, Path]:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".build-", dir=root) as scratch:
         scratch = Path(scratch)
-        write_hf_checkpoint(scratch / "checkpoint", family)
+        write_hf_checkpoint(scratch / "checkpoint", family, real_shape=real_shape)
         done = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder",
                                "-i", str(scratch / "checkpoint"), "-o", str(scratch / "genai"),
                                "-p", precision, "-e", "cpu", "-c", str(scratch / "cache")],

@@ -25,6 +25,13 @@ from llmc.tokenizer import byte_level_tokenizer
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 ALL_FAMILIES = (*FAMILIES, "llama3", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt_neox")
 VARIANTS = ("qwen2-layer-windows", "phi3-partial-rotary-window", "gpt_neox-sequential")
+# Families that also come at a real model's attention geometry (`real_shape=True`): 8 layers,
+# hidden 512, 8 heads of 64; grouped-query (4 KV heads) but plain multi-head for gpt_neox and
+# gpt2; tied embeddings for qwen2, gemma and gpt2. The MLP (64) and the vocabulary (258) stay small:
+# 7-9 M parameters, 30-37 MB.
+REAL_SHAPE_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt_neox", "gpt2")
+_REAL_SHAPE = dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, intermediate_size=64)
+_REAL_SHAPE_GQA = dict(num_key_value_heads=4, head_dim=64)
 
 # Small configs, vocab 258 to fit the byte-level tokenizer. Each exercises a feature:
 # llama: GQA, Llama 3 rope scaling, q/k/v/o bias; qwen2: q/k/v bias, tied embeddings;
@@ -128,7 +135,20 @@ CONFIGS: dict[str, Any] = {
 }
 
 
-def write_hf_checkpoint(folder: Path, family: str, *, sharded: bool = False, seed: int = 0) -> Path:
+def real_shape_config(family: str) -> transformers.PreTrainedConfig:
+    """`family`'s small config (CONFIGS) at the real-shape geometry (REAL_SHAPE_FAMILIES)."""
+    small = CONFIGS[family]()
+    settings = small.to_dict()
+    settings.pop("layer_types", None)  # derived from the layer count again
+    if family == "gpt2":
+        settings.update(n_layer=8, n_embd=512, n_head=8, n_inner=64)
+    else:
+        settings.update(_REAL_SHAPE, **({} if family == "gpt_neox" else _REAL_SHAPE_GQA))
+    return type(small)(**settings)
+
+
+def write_hf_checkpoint(folder: Path, family: str, *, sharded: bool = False, seed: int = 0,
+                        real_shape: bool = False) -> Path:
     """Write a random-weight HF checkpoint of `family` into `folder` and return the folder.
 
     Args:
@@ -136,12 +156,13 @@ def write_hf_checkpoint(folder: Path, family: str, *, sharded: bool = False, see
         family: one of ALL_FAMILIES or VARIANTS.
         sharded: write several safetensors shards plus model.safetensors.index.json.
         seed: torch.manual_seed for the weights.
+        real_shape: the real-shape geometry (one of REAL_SHAPE_FAMILIES).
     """
-    if family not in CONFIGS:
+    if family not in CONFIGS or (real_shape and family not in REAL_SHAPE_FAMILIES):
         raise ValueError(f"unknown family {family!r} (known: {', '.join(CONFIGS)})")
     folder = Path(folder)
     torch.manual_seed(seed)
-    config = CONFIGS[family]()
+    config = real_shape_config(family) if real_shape else CONFIGS[family]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF's default init leaves biases and norm scales at 0/1; randomize them so a wrongly
     # loaded bias or norm weight shows in the logits.
