@@ -189,6 +189,6 @@ def _cache_geometry(model: torch.nn.Module, folder: Path, num_layers: int) -> tu
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Each decoder layer's attention module, in order (for naming a layer's kind)."""
-    return [m for name, m in model.named_modules() if name.endswith(("self_attn", ".attention", ".attn"))
-            and name.count(".") <= 3]
+    """Each decoder layer's attention module, in order (for naming a layer's kind): transformers
+    names their classes `<Family>Attention`."""
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention")]
