@@ -30,7 +30,7 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
 # that llmc imports. `pip install llmc` holds only what running an engine needs.
 EXTRA_MODULES = {
     "compile": {"onnx"},
-    "export": {"onnx", "torch", "onnxscript", "onnx_ir", "safetensors"},
+    "export": {"onnx", "torch", "onnxscript", "onnx_ir", "safetensors", "transformers"},
     "serve": {"starlette", "uvicorn", "prometheus_client", "jinja2"},
     "ray": {"ray"},
     "tensorrt": {"tensorrt", "polygraphy"},
