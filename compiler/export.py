@@ -33,7 +33,7 @@ import onnx
 import torch
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
-from llmc.formats.decoder_interface import Geometry, geometry_metadata
+from llmc.formats.decoder_interface import Geometry, config_windows, geometry_metadata
 from llmc.errors import LlmcError, first_line
 from llmc.formats.onnx_io import EXTERNAL_DATA_THRESHOLD, save_ir_model, save_serialized, save_with_external_data
 from llmc.formats.sessions import session_options
@@ -170,8 +170,10 @@ def _one_line(error: Exception) -> str:
 
 def _layer_windows(model: torch.nn.Module) -> Sequence[int | None]:
     """Each layer's attention window (None or 0: full); the table's models keep them in their args,
-    transformers' (models/transformers_module.py) on the module."""
-    return getattr(model.args, "layer_windows", ()) if hasattr(model, "args") else model.layer_windows
+    transformers' (models/transformers_module.py) in their Hugging Face config."""
+    if hasattr(model, "args"):
+        return getattr(model.args, "layer_windows", ())
+    return config_windows(model.hf_config) or [0] * model.num_layers
 
 
 def _timed(function: Callable, *args, **kwargs) -> float:

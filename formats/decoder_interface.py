@@ -162,7 +162,7 @@ def _geometry_facts(model: onnx.ModelProto, source: Path) -> dict:
                 if isinstance(hf.get(name), int):
                     facts[key] = hf[name]
                     break
-        windows = _config_windows(hf)
+        windows = config_windows(hf)
         if windows is not None:
             facts["layer_windows"] = windows
     genai = source.parent / "genai_config.json"  # onnxruntime-genai's builder writes no config.json
@@ -202,7 +202,7 @@ def _geometry_facts(model: onnx.ModelProto, source: Path) -> dict:
 _GLOBAL_EVERY = {"gemma2": 2, "gemma3_text": 6, "gemma3": 6}
 
 
-def _config_windows(hf: dict) -> list[int] | None:
+def config_windows(hf: dict) -> list[int] | None:
     """Each layer's window from a Hugging Face config (0: full attention); None without windows.
 
     transformers 5 writes `layer_types` ("sliding_attention" / "full_attention") for the

@@ -24,22 +24,23 @@ import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from llmc.errors import LlmcError, first_line
-from llmc.formats.decoder_interface import _config_windows
 
 
 class TransformersDecoder(torch.nn.Module):
     """A transformers causal LM with llmc's forward contract and geometry properties."""
 
     def __init__(self, model: torch.nn.Module, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                 max_positions: int, layer_windows: tuple[int, ...]):
+                 max_positions: int):
         super().__init__()
         self.model = model
         self.family = model.config.model_type
-        self.num_layers = len(layer_windows)
+        self.num_layers = model.config.get_text_config().num_hidden_layers
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.vocab_size = model.config.get_text_config().vocab_size
         self.max_positions = max_positions
-        self.layer_windows = layer_windows
+        # Each layer's attention window is read from this config by the exporter
+        # (formats/decoder_interface.py config_windows), as for any Hugging Face config.
+        self.hf_config = model.config.get_text_config().to_dict()
 
     def forward(self, input_ids, attention_mask, position_ids, past_key_values):
         cache = _cache(past_key_values)
@@ -116,9 +117,8 @@ def load_transformers_checkpoint(folder: Path, cfg: dict[str, Any]) -> Transform
         if not isinstance(value, int):
             raise LlmcError(f"{config_path}: no integer {name} (transformers' {type(text).__name__})")
     kv_heads, head_dim = _cache_geometry(model, folder, text.num_hidden_layers)
-    windows = _config_windows(text.to_dict()) or [0] * text.num_hidden_layers
     return TransformersDecoder(model, num_heads=num_heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                               max_positions=max_positions, layer_windows=tuple(windows))
+                               max_positions=max_positions)
 
 
 def _one_line(error: Exception) -> str:

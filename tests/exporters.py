@@ -42,7 +42,7 @@ import transformers
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
-from llmc.formats.decoder_interface import Geometry, _config_windows, geometry_metadata
+from llmc.formats.decoder_interface import Geometry, config_windows, geometry_metadata
 from llmc.compiler.export import io_names, quiet_exporter
 from llmc.formats.onnx_io import save_onnx
 from llmc.tokenizer import Tokenizer
@@ -166,7 +166,7 @@ def hf_geometry(config: transformers.PreTrainedConfig) -> Geometry:
 def hf_windows(config: transformers.PreTrainedConfig) -> list[int] | None:
     """Each layer's attention window (0: full), read from the config as `llmc compile` reads a
     config.json beside a graph; None when no layer is windowed."""
-    return _config_windows(config.to_dict())
+    return config_windows(config.to_dict())
 
 
 def _export_optimum(folder: Path, workspace: Path, cli: bool) -> onnx.ModelProto:
