@@ -49,9 +49,9 @@ class TransformersDecoder(torch.nn.Module):
         return logits, [(layer.keys, layer.values) for layer in cache.layers]
 
 
-class _FullLayer(DynamicLayer):
+class FullLengthCacheLayer(DynamicLayer):
     """A DynamicLayer holding a given past, whose length is its shape: DynamicLayer's own reads 0
-    when the past is empty, a data branch a trace would fix."""
+    when the past is empty, a data branch a trace (or torch.export's guards) would fix."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
@@ -66,7 +66,7 @@ def _cache(past: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A cache of full-length layers holding `past`, or empty layers made as the model writes them."""
     cache = DynamicCache()
     if past:
-        cache.layers = [_FullLayer(k, v) for k, v in past]
+        cache.layers = [FullLengthCacheLayer(k, v) for k, v in past]
     return cache
 
 

@@ -39,12 +39,13 @@ from pathlib import Path
 import onnx
 import torch
 import transformers
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from llmc.compiler.build import TOKENIZER_METADATA_KEY
 from llmc.formats.decoder_interface import Geometry, config_windows, geometry_metadata
 from llmc.compiler.export import io_names, quiet_exporter
 from llmc.formats.onnx_io import save_onnx
+from llmc.models.transformers_module import FullLengthCacheLayer
 from llmc.tokenizer import Tokenizer
 # ExporterUnavailable: callers catch it from here.
 from optimum_venv import ExporterUnavailable, optimum_python  # noqa: F401
@@ -112,22 +113,6 @@ def export_decoder(folder: Path, exporter: str, output: Path, *, attention: str 
     return output
 
 
-class _FullCacheLayer(DynamicLayer):
-    """A DynamicLayer filled from a past tensor, whose length reads as a shape, not a data branch.
-
-    DynamicLayer.get_seq_length returns 0 when `keys.numel() == 0`, a branch that would make
-    torch.export guard on past > 0; `keys.shape[-2]` is the same number for every past length.
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        super().__init__()
-        self.lazy_initialization(keys, values)
-        self.keys, self.values = keys, values
-
-    def get_seq_length(self) -> int:
-        return self.keys.shape[-2]
-
-
 class FlatCacheDecoder(torch.nn.Module):
     """A transformers causal LM with the flat-tensor decoder-with-past signature.
 
@@ -142,7 +127,7 @@ class FlatCacheDecoder(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position_ids, *flat_past):
         cache = DynamicCache()
-        cache.layers = [_FullCacheLayer(k, v) for k, v in zip(flat_past[0::2], flat_past[1::2])]
+        cache.layers = [FullLengthCacheLayer(k, v) for k, v in zip(flat_past[0::2], flat_past[1::2])]
         out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, cache=cache, use_cache=True)
         presents = [t for layer in out.cache.layers for t in (layer.keys, layer.values)]
