@@ -249,7 +249,8 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
         weights_block_size = TENSORRT_WEIGHTS_BLOCK_SIZE if backend == "tensorrt" else DEFAULT_BLOCK_SIZE
     precision = PrecisionOptions(fp16, int8_calib, calibrator, smoothquant, calib_tokens, weights, weights_block_size,
                                  weights_symmetric, precision_config, int8_dynamic, calib, max_ppl_increase, force)
-    # compile_model checks the precision options too, but without the backend's rules.
+    # compile_model checks them again (its callers need not be this CLI); here the precisions they
+    # ask for also tell which options given on the command line would do nothing.
     _refuse_precision_options(given, precision, precision.precisions(check_options(precision, backend)))
     tensorrt = TensorRTOptions(max_num_tokens=max_num_tokens, optimization_level=builder_optimization_level,
                                timing_cache=timing_cache, workspace_mb=workspace_mb,
