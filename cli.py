@@ -173,8 +173,9 @@ def optimize(onnx_file, output, level, passes, verify, report):
     click.echo(f"wrote {output}: {before} → {after} nodes")
 
 
-# --weights-block-size with --backend tensorrt: one of TensorRT's int4 block sizes (precision/plan.py
-# TENSORRT_INT4_BLOCK_SIZES) that divides common hidden sizes (SmolLM2's 576, which 128 does not).
+# --weights-block-size with --backend tensorrt: one of TensorRT's int4 block sizes
+# (precision/dequantize_linear.py INT4_BLOCK_SIZES) that divides common hidden sizes (SmolLM2's 576,
+# which 128 does not).
 TENSORRT_WEIGHTS_BLOCK_SIZE = 64
 
 

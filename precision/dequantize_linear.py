@@ -38,6 +38,7 @@ from onnx import TensorProto, helper, numpy_helper
 from llmc.errors import LlmcError
 from llmc.formats.onnx_io import has_external_weights, make_initializer, tensor_array
 from llmc.passes import contrib_ops
+from llmc.precision.int8 import quantize_weight
 
 # DequantizeLinear's block_size attribute and INT4 tensors.
 MIN_OPSET = 21
@@ -45,7 +46,6 @@ MIN_OPSET = 21
 # docs.nvidia.com/deeplearning/tensorrt/latest/inference-library/quantized-types-schemes.html;
 # compiler/tensorrt_support.py checks them with the other Q/DQ rules).
 INT4_BLOCK_SIZES = (64, 128)
-INT8_LEVELS = 127  # symmetric per-channel int8, as precision/int8.py quantizes weights
 
 
 def matmulnbits_as_dequantize(model: onnx.ModelProto, progress: Callable[[str], None] = lambda message: None) -> int:
@@ -111,10 +111,8 @@ def per_channel(q: np.ndarray, magnitudes: np.ndarray, offsets: np.ndarray, k: i
     if not np.any(offsets) and np.all(magnitudes == magnitudes[:, :1]):
         return q.reshape(n, -1)[:, :k].T, magnitudes[:, 0].copy(), True
     weights = (q.astype(np.float64) * magnitudes[..., None] + offsets[..., None]).reshape(n, -1)[:, :k]
-    peaks = np.abs(weights).max(axis=1)
-    scales = np.where(peaks > 0, peaks / INT8_LEVELS, 1.0)
-    codes = np.clip(np.rint(weights / scales[:, None]), -INT8_LEVELS, INT8_LEVELS).astype(np.int8)
-    return codes.T, scales.astype(magnitudes.dtype), False
+    _, codes, scales = quantize_weight(weights.T)
+    return codes, scales.astype(magnitudes.dtype), False
 
 
 def legal_blocks(q: np.ndarray, magnitudes: np.ndarray, offsets: np.ndarray, block: int, name: str

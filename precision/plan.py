@@ -43,6 +43,7 @@ from llmc.errors import LlmcError
 from llmc.precision.calibration import check_calibrator, observe
 from llmc.precision.data import read_documents, windows
 from llmc.precision.fp16 import convert_to_fp16, node_key
+from llmc.precision.dequantize_linear import INT4_BLOCK_SIZES  # TensorRT's int4 blocks
 from llmc.precision.gate import DEFAULT_MAX_PPL_INCREASE, split
 from llmc.precision.int8 import quantize_int8
 from llmc.precision.linears import linear_layers
@@ -134,10 +135,6 @@ def read_config(path: str | None) -> MixedPrecision | None:
     return MixedPrecision(data.get("default"), list(rules.items()), str(path))
 
 
-# TensorRT's INT4 weights take one scale per block of 64 or 128 ("INT4 quantization requires
-# per-block scales. The supported block sizes are {64, 128}.": TensorRT documentation, Quantization
-# Schemes, docs.nvidia.com/deeplearning/tensorrt/latest/inference-library/quantized-types-schemes.html).
-TENSORRT_INT4_BLOCK_SIZES = (64, 128)
 QUANTIZED = frozenset({"int8", "int8-dynamic", "int8-weights", "int4"})
 
 
@@ -178,9 +175,9 @@ def check_options(options: PrecisionOptions, backend: str = "onnxruntime") -> Mi
         where = "--int8-dynamic" if options.int8_dynamic else f"--precision-config {options.config}: int8-dynamic"
         raise LlmcError(f"{where} and --backend tensorrt: TensorRT computes int8 activation scales only ahead of "
                         "time; use --int8-calib DIR")
-    if backend == "tensorrt" and "int4" in asked and options.weights_block_size not in TENSORRT_INT4_BLOCK_SIZES:
+    if backend == "tensorrt" and "int4" in asked and options.weights_block_size not in INT4_BLOCK_SIZES:
         raise LlmcError(f"--weights-block-size {options.weights_block_size} and --backend tensorrt: TensorRT's int4 "
-                        f"blocks hold {' or '.join(map(str, TENSORRT_INT4_BLOCK_SIZES))} weights")
+                        f"blocks hold {' or '.join(map(str, INT4_BLOCK_SIZES))} weights")
     return config
 
 
