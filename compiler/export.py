@@ -196,15 +196,17 @@ def _checked(model: torch.nn.Module, graph: bytes | Path, check: bool, progress:
 def _trace_torchscript(model: torch.nn.Module, geometry: Geometry) -> tuple[bytes, list[Initializer]]:
     """The decoder by torch.onnx's TorchScript exporter (see `EXPORTERS`): a serialized
     ModelProto without its weights, and the weights (see `_with_weights`). A model whose layers
-    are all alike is traced with two and its second layer's nodes repeated for the rest
-    (`_repeat_layer`): the trace's cost grows with the graph (SmolLM2-135M's 30 layers: 8.7 s), a
-    copy of a layer's nodes costs next to nothing, and the parity check runs the whole model
-    against PyTorch either way."""
+    are all alike is traced with two and its second layer repeated for the rest (`_repeat_layer`):
+    the trace's cost grows with the graph (SmolLM2-135M's 30 layers: 8.7 s), a copy of a layer's
+    nodes costs next to nothing, and the parity check runs the whole model against PyTorch either
+    way."""
     short = _first_layers(model, TRACED_LAYERS)
     if short is not None:
         graph = _trace(short, model_geometry(short))
-        if _repeat_layer(graph, geometry.num_layers):
-            return _with_weights(graph, _FlatDecoder(model))
+        flat = _FlatDecoder(model)
+        tensors = {name for name, _ in [*flat.named_parameters(), *flat.named_buffers()]}
+        if _repeat_layer(graph, _layer_boundaries(flat), tensors):
+            return _with_weights(graph, flat)
     return _with_weights(_trace(model, geometry), _FlatDecoder(model))
 
 
@@ -247,74 +249,145 @@ def _first_layers(model: torch.nn.Module, count: int) -> Decoder | None:
     return short
 
 
-def _repeat_layer(graph: onnx.ModelProto, layers: int) -> bool:
-    """Grow a graph traced with `TRACED_LAYERS` layers to `layers` by copying the last layer's
-    nodes (those of its scope, `/model/layers.1/`), renamed for each new layer and chained on the
-    hidden state; its past and present are copied with them, its weights renamed to the new
-    layer's. Returns False, leaving the graph as it was, where the layer is not a pattern it can
-    copy: anything but the hidden state and the presents leaving it."""
+@dataclass(frozen=True)
+class LayerBoundary:
+    """What one decoder layer reads that no other layer does, and what it returns besides the
+    hidden state, by the names a graph of the model gives them: its weights (the module's
+    parameter names, in the module's order, so alike layers list them alike), past and present."""
+
+    weights: tuple[str, ...]
+    past: tuple[str, str]
+    presents: tuple[str, str]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return (*self.weights, *self.past)
+
+
+def _layer_boundaries(flat: torch.nn.Module) -> list[LayerBoundary]:
+    """Each layer's `LayerBoundary` in a `_FlatDecoder` of a `Decoder`."""
+    module_names = {id(module): name for name, module in flat.named_modules()}
+    boundaries = []
+    for i, layer in enumerate(flat.model.model.layers):
+        prefix = module_names[id(layer)]
+        tensors = [*layer.named_parameters(), *layer.named_buffers()]
+        boundaries.append(LayerBoundary(weights=tuple(f"{prefix}.{name}" for name, _ in tensors),
+                                        past=(f"past_key_values.{i}.key", f"past_key_values.{i}.value"),
+                                        presents=(f"present.{i}.key", f"present.{i}.value")))
+    return boundaries
+
+
+def _repeat_layer(graph: onnx.ModelProto, layers: Sequence[LayerBoundary], weights: set[str]) -> bool:
+    """Grow a graph traced with the first `TRACED_LAYERS` of `layers` to all of them by copying
+    its last layer once per missing layer, found by the graph's structure alone:
+
+    - a layer's output is the first value every path from its own inputs (weights, past) to the
+      logits goes through (the residual stream after it);
+    - the last layer is what its output and presents are computed from that the layer before's
+      output is not: its nodes, and any value the trace computes for it alone.
+
+    Each copy reads the layer before's output, its own weights and past in the pattern's places,
+    and writes its own presents; what comes after the layers reads the last copy's output.
+    Returns False, leaving the graph as it was, where the last layer is not a pattern it can copy
+    (a value of its own read outside it, or one of the layer before's inputs read inside it)."""
     last = TRACED_LAYERS - 1
-    scope = f"/model/layers.{last}/"
-    nodes = graph.graph.node
-    pattern = [n for n in nodes if n.name.startswith(scope)]
-    made = {o for n in pattern for o in n.output}
-    presents = {f"present.{last}.key", f"present.{last}.value"}
-    leaving = {i for n in nodes if not n.name.startswith(scope) for i in n.input if i in made}
-    leaving |= {o.name for o in graph.graph.output} & made
-    hidden = leaving - presents
-    if not pattern or len(hidden) != 1 or not presents <= leaving:
-        return False
-    (hidden,) = hidden
-    previous = hidden.replace(scope, f"/model/layers.{last - 1}/")
-    if not any(previous in n.input for n in pattern):
-        return False
-    weights = f".layers.{last}."
-
-    def renamed(name: str, layer: int) -> str:
-        if name == previous:  # the hidden state coming in: the layer before's
-            return hidden.replace(scope, f"/model/layers.{layer - 1}/")
-        if name in presents or name.startswith(f"past_key_values.{last}."):
-            return name.replace(f".{last}.", f".{layer}.")
-        if weights in name:
-            return name.replace(weights, f".layers.{layer}.")
-        if name in made:
-            return name.replace(scope, f"/model/layers.{layer}/") if scope in name else f"{name}/layers.{layer}"
-        return name  # made before the layers, shared by all
-
-    downstream, reached = [], set(made)
+    # A node that only gives a weight another name (the exporter shares equal weights that way:
+    # layer norms still at ones) would join layers that are apart; it goes, and every layer reads
+    # its own weights.
+    nodes = [n for n in graph.graph.node if not (n.output and all(o in weights for o in n.output))]
+    made_by = {o: n for n in nodes for o in n.output if o}
+    readers: dict[str, list[onnx.NodeProto]] = {}
     for node in nodes:
-        if not node.name.startswith(scope) and any(i in reached for i in node.input):
-            downstream.append(node)
-            reached.update(node.output)
-    after = {id(n) for n in downstream}
-    upstream = [n for n in nodes if not n.name.startswith(scope) and id(n) not in after]
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    sinks = {o.name for o in graph.graph.output} - {name for layer in layers for name in layer.presents}
+    previous_out = _layer_output(nodes, readers, layers[last - 1].inputs, sinks)
+    out = _layer_output(nodes, readers, layers[last].inputs, sinks)
+    if previous_out is None or out is None:
+        return False
+    before = _ancestors([previous_out], made_by)
+    pattern_ids = _ancestors([out, *layers[last].presents], made_by) - before
+    pattern = [n for n in nodes if id(n) in pattern_ids]
+    made = {o for n in pattern for o in n.output if o}
+    leaving = {i for n in nodes if id(n) not in pattern_ids for i in n.input if i in made}
+    leaving |= {o.name for o in graph.graph.output} & made
+    read = {i for n in pattern for i in n.input}
+    if leaving - {out, *layers[last].presents} or not set(layers[last].presents) <= made \
+            or previous_out not in read or read & set(layers[last - 1].inputs):
+        return False
+    taken = set(made_by) | {i.name for i in graph.graph.input} | {t.name for t in graph.graph.initializer}
     copies = []
-    for layer in range(last + 1, layers):
+    for i in range(last + 1, len(layers)):
+        renamed = {previous_out: out if i == last + 1 else f"{out}/layer{i - 1}",
+                   **dict(zip(layers[last].inputs, layers[i].inputs)),
+                   **dict(zip(layers[last].presents, layers[i].presents))}
+        for name in made - set(renamed):
+            renamed[name] = f"{name}/layer{i}"
+        if taken & {renamed[name] for name in made}:
+            return False  # a copy's value would take a name the graph already gives
         for node in pattern:
             copy_ = onnx.NodeProto()
             copy_.CopyFrom(node)
-            copy_.name = node.name.replace(scope, f"/model/layers.{layer}/")
-            copy_.input[:] = [renamed(i, layer) if i else i for i in node.input]  # "": an absent input
-            copy_.output[:] = [renamed(o, layer) for o in node.output]
+            copy_.name = f"{node.name}/layer{i}" if node.name else ""
+            copy_.input[:] = [renamed.get(name, name) for name in node.input]  # "": an absent input
+            copy_.output[:] = [renamed.get(name, name) for name in node.output]
             copies.append(copy_)
-    final = hidden.replace(scope, f"/model/layers.{layers - 1}/")
-    for node in downstream:
-        node.input[:] = [final if i == hidden else i for i in node.input]
-    inputs = {i.name: i for i in graph.graph.input}
-    outputs = {o.name: o for o in graph.graph.output}
-    new_inputs, new_outputs = [], []
-    for layer in range(last + 1, layers):
-        for part in ("key", "value"):  # the weights' inputs go: `_with_weights` finds them by their readers
-            new_inputs.append(onnx.ValueInfoProto(name=f"past_key_values.{layer}.{part}",
-                                                  type=inputs[f"past_key_values.{last}.{part}"].type))
-        for name in sorted(presents):  # key, then value
-            new_outputs.append(onnx.ValueInfoProto(name=renamed(name, layer), type=outputs[name].type))
-    ordered = list(upstream) + pattern + copies + downstream
-    del nodes[:]
-    nodes.extend(ordered)
-    graph.graph.input.extend(new_inputs)
-    graph.graph.output.extend(new_outputs)
+    final = f"{out}/layer{len(layers) - 1}"
+    downstream_ids, reached = set(), set(made)
+    for node in nodes:
+        if id(node) not in pattern_ids and any(i in reached for i in node.input):
+            downstream_ids.add(id(node))
+            reached.update(node.output)
+            node.input[:] = [final if name == out else name for name in node.input]
+    upstream = [n for n in nodes if id(n) not in pattern_ids and id(n) not in downstream_ids]
+    downstream = [n for n in nodes if id(n) in downstream_ids]
+    types = {value.name: value.type for value in [*graph.graph.input, *graph.graph.output]}
+    for i in range(last + 1, len(layers)):
+        graph.graph.input.extend(onnx.ValueInfoProto(name=new, type=types[old])
+                                 for old, new in zip(layers[last].past, layers[i].past))
+        graph.graph.output.extend(onnx.ValueInfoProto(name=new, type=types[old]) for old, new
+                                  in zip(layers[last].presents, layers[i].presents))
+    del graph.graph.node[:]
+    graph.graph.node.extend([*upstream, *pattern, *copies, *downstream])
     return True
+
+
+def _layer_output(nodes: Sequence[onnx.NodeProto], readers: dict[str, list[onnx.NodeProto]],
+                  inputs: Sequence[str], sinks: set[str]) -> str | None:
+    """The first value (in the graph's topological order) that every path from `inputs` to
+    `sinks` goes through: for a layer's own inputs, the hidden state it returns. None where the
+    inputs reach no sink, or reach them by two ways that never meet."""
+    reached = _reached(inputs, readers)
+    if not reached & sinks:
+        return None
+    for node in nodes:
+        for value in node.output:
+            if value in reached and not _reached(inputs, readers, without=value) & sinks:
+                return value
+    return None
+
+
+def _reached(starts: Sequence[str], readers: dict[str, list[onnx.NodeProto]], without: str = "") -> set[str]:
+    """The values computed from `starts` (them included), not going through `without`."""
+    seen, frontier = set(starts) - {without}, [s for s in starts if s != without]
+    while frontier:
+        for node in readers.get(frontier.pop(), ()):
+            for value in node.output:
+                if value and value != without and value not in seen:
+                    seen.add(value)
+                    frontier.append(value)
+    return seen
+
+
+def _ancestors(values: Sequence[str], made_by: dict[str, onnx.NodeProto]) -> set[int]:
+    """The ids of the nodes `values` are computed by, directly or not."""
+    found, frontier = set(), [made_by[v] for v in values if v in made_by]
+    while frontier:
+        node = frontier.pop()
+        if id(node) not in found:
+            found.add(id(node))
+            frontier.extend(made_by[i] for i in node.input if i in made_by)
+    return found
 
 
 Initializer = tuple[onnx.TensorProto, memoryview]  # a TensorProto's header (name, type, dims) and its bytes
