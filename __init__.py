@@ -1,8 +1,12 @@
 """llmc: compile decoder language models into inference engines and run them.
 
     llmc.export("tiny-llama", "model.onnx")
-    llmc.compile("model.onnx", "engine.plan")
+    llmc.compile("model.onnx", "engine.plan", precision=llmc.PrecisionOptions(weights="int4", calib="data/"))
+    llmc.inspect("engine.plan").text()
     llmc.LLM("engine.plan").generate(["def fibonacci("], llmc.SamplingParams(max_new_tokens=32))
+
+Every `llmc` command calls these: `llmc optimize` is `llmc.optimize`, `llmc sensitivity` is
+`llmc.sensitivity`, `llmc check` is `llmc.check` beside an `llmc.LLM`.
 
 Names are imported on first use, so `import llmc` stays fast and torch loads only for export.
 """
@@ -20,7 +24,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _PUBLIC = {
     "export": ("llmc.compiler.export", "export"),
+    "optimize": ("llmc.compiler.pipeline", "optimize_file"),
     "compile": ("llmc.compiler.build", "compile_model"),
+    "CompileResult": ("llmc.compiler.build", "CompileResult"),
+    "PagedOptions": ("llmc.compiler.paged_engine", "PagedOptions"),
+    "PrecisionOptions": ("llmc.precision.plan", "PrecisionOptions"),
+    "TensorRTOptions": ("llmc.compiler.tensorrt_network", "TensorRTOptions"),
+    "inspect": ("llmc.inspection", "inspect"),
+    "sensitivity": ("llmc.compiler.sensitivity", "sensitivity"),
+    "check": ("llmc.precision.check", "check"),
+    "ReferenceModel": ("llmc.precision.check", "ReferenceModel"),
     "LLM": ("llmc.llm", "LLM"),
     "Completion": ("llmc.llm", "Completion"),
     "SamplingParams": ("llmc.runtime.sampling_params", "SamplingParams"),

@@ -20,6 +20,7 @@ folder). Rows:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from optimize_bench import DEFAULT_WORK_DIR, _cpu_name, _git_state, _versions, l
 from precision_bench import CALIB, SMOLLM2_WORK, real_text, smollm2_export  # noqa: E402
 from tensorrt_form import TensorRTForm, capture_tensorrt_graph  # noqa: E402
 
-from llmc.compiler import build  # noqa: E402
+from llmc.compiler import build, targets  # noqa: E402
 from llmc.compiler.paged_engine import PagedOptions  # noqa: E402
 from llmc.compiler.tensorrt_network import TensorRTOptions  # noqa: E402
 from llmc.errors import LlmcError  # noqa: E402
@@ -54,8 +55,9 @@ def tensorrt_row(onnx_path: Path, work: Path, form: str, reference: ReferenceMod
         config.write_text(json.dumps({"default": "int8", "rules": {"lm_head": "int8-weights",
                                                                    "layers.*.mlp.down": "fp16"}}))
     graphs = capture_tensorrt_graph(SimpleNamespace(setattr=setattr))
-    chosen = build.TENSORRT_OUTLIERS
-    build.TENSORRT_OUTLIERS = form if form != "fp16" else chosen
+    chosen = targets.TARGETS["tensorrt"]
+    if form != "fp16":
+        targets.TARGETS["tensorrt"] = dataclasses.replace(chosen, outliers=form)
     try:
         manifest = build.compile_model(
             onnx_path, work / "unused.plan", backend="tensorrt", paged=PagedOptions(max_seq_len=MAX_SEQ_LEN),
@@ -64,7 +66,7 @@ def tensorrt_row(onnx_path: Path, work: Path, form: str, reference: ReferenceMod
     except LlmcError as exc:
         return {"row": f"tensorrt/{form}", "refused": str(exc)}
     finally:
-        build.TENSORRT_OUTLIERS = chosen
+        targets.TARGETS["tensorrt"] = chosen
     unsupported = manifest["tensorrt_check"]["unsupported"]
     form_engine = TensorRTForm(graphs[-1], reference_tokenizer(onnx_path), MAX_SEQ_LEN)
     report = check(form_engine, reference, data, max_tokens=max_tokens, generate=8)

@@ -356,6 +356,18 @@ def _file_digest(f, begin: int, length: int) -> str:
     return digest.hexdigest()
 
 
+def file_sha256(*paths: str | os.PathLike) -> str:
+    """SHA-256 of the files' bytes one after the other (an engine file; an ONNX file and its
+    external data), read through one small buffer like the sections' check."""
+    digest = hashlib.sha256()
+    buffer = memoryview(bytearray(_DIGEST_CHUNK))
+    for path in paths:
+        with open(path, "rb") as f:
+            while read := f.readinto(buffer):
+                digest.update(buffer[:read])
+    return digest.hexdigest()
+
+
 def _read_header(path: Path, header: bytes, f) -> tuple[Manifest, int]:
     if len(header) < HEADER.size or not header.startswith(MAGIC):
         raise LlmcError(f"{path}: not an llmc engine file (bad magic bytes)")

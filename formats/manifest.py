@@ -193,6 +193,57 @@ DTYPES = ("float32", "float16", "bfloat16")
 KV_DTYPES = ("float32", "float16")
 
 
+def precision_summary(manifest: dict) -> str:
+    """The model's dtype and, when a precision option rewrote it, what its linear layers became
+    ("float32 model; linears: int8 ×90, int8-weights ×31; fp16 elsewhere")."""
+    precision = manifest.get("precision")
+    if not precision:
+        return manifest["dtype"]
+    counts: dict[str, int] = {}
+    for kind in precision["linears"].values():
+        counts[kind] = counts.get(kind, 0) + 1
+    linears = ", ".join(f"{kind} ×{count}" for kind, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return f"{manifest['dtype']} model; linears: {linears}" + ("; fp16 elsewhere" if precision.get("fp16") else "")
+
+
+def kv_cache_summary(manifest: dict) -> str:
+    """The KV cache's layout in one line (paged blocks and seats, or why it is contiguous)."""
+    paged = manifest["paged"]
+    if not paged:
+        return f"contiguous past/present ({manifest['not_paged']})"
+    return (f"paged: {paged['num_blocks']} blocks of {paged['block_size']} tokens ({paged['pool_mb']} MiB, "
+            f"{paged['kv_dtype']}), max batch {paged['max_batch']}, max sequence {paged['max_seq_len']}"
+            + (f", {len(paged['segments'])} segments" if paged["segments"] else ""))
+
+
+def build_options_summary(options: dict) -> str:
+    """The build options in one line: backend, pass level or list, verify."""
+    passes = options.get("passes", [])
+    level = f"level {options['level']}" if options.get("level") is not None else "passes " + ",".join(passes)
+    return f"backend {options.get('backend')}, {level} ({len(passes)} passes), verify {options.get('verify')}"
+
+
+def build_record(manifest: dict) -> dict:
+    """What a CI job records of a build, from its manifest: backend, precision (layers per
+    precision), geometry, the KV layout, node counts, matches per pass, the source's hash."""
+    precision = manifest.get("precision") or {}
+    paged = manifest.get("paged")
+    kinds = list(precision.get("linears", {}).values())
+    return {"backend": manifest["backend"], "dtype": manifest["dtype"],
+            "precision": None if not precision else {
+                "fp16": precision.get("fp16", False), "accuracy": precision.get("accuracy"),
+                **({"weights_symmetric": precision["weights_symmetric"]} if "weights_symmetric" in precision else {}),
+                "linears": {kind: kinds.count(kind) for kind in sorted(set(kinds))}},
+            "geometry": manifest["geometry"],
+            "paged": None if not paged else {k: paged[k] for k in ("block_size", "max_batch", "max_seq_len",
+                                                                   "num_blocks", "kv_dtype")},
+            "nodes": {"source": manifest["source"]["nodes"],
+                      "final": manifest["optimization"][-1]["nodes_after"] if manifest["optimization"] else None},
+            "passes": {e["pass"]: e["matches"] for e in manifest["optimization"]},
+            "source_sha256": manifest["source"]["sha256"], "llmc_version": manifest["llmc_version"],
+            **({"tensorrt": manifest["tensorrt"]} if manifest.get("tensorrt") else {})}
+
+
 def _check_values(manifest: Manifest, where: str) -> None:
     """Values the runtime would choke on deep inside NumPy or onnxruntime."""
     checks = [("dtype", manifest.dtype, manifest.dtype in DTYPES),

@@ -1,4 +1,6 @@
-"""Token data for calibration and accuracy checks: a folder of text or pre-tokenized arrays.
+"""Token data for calibration and accuracy checks, and prompt files for generation and benchmarks.
+
+A data folder holds text or pre-tokenized arrays:
 
     *.txt     text, tokenized with the model's tokenizer (one document per file)
     *.jsonl   one JSON object per line; its "text" field is a document
@@ -7,6 +9,9 @@
 
 Every problem is found before any long work starts and named by file: a missing or empty folder,
 no usable file, a file that cannot be read or decoded, ids outside the vocabulary.
+
+A prompt file (`read_prompts`) holds one prompt per line, or with the .jsonl suffix one JSON
+object per line whose "prompt" field is one.
 """
 
 from __future__ import annotations
@@ -93,3 +98,46 @@ def _read(path: Path, tokenizer: Tokenizer) -> list:
             raise LlmcError(f"{path}:{number}: expected an object with a \"text\" string")
         documents.append(tokenizer.encode(record["text"]))
     return documents
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a prompt file, blank lines skipped; a byte-order mark and CRLF line ends are
+    taken as written by Windows editors. Callers check each prompt with `check_prompt`."""
+    path = Path(path)
+    if not path.is_file():
+        raise LlmcError(f"{path}: no such file")
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark
+    try:
+        # Only newlines end a line: str.splitlines would also split a prompt at U+2028 or a form feed.
+        lines = [line.removesuffix("\r") for line in data.decode("utf-8").split("\n")]
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise LlmcError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
+    if path.suffix != ".jsonl":
+        return [line for line in lines if line.strip()]
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LlmcError(f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise LlmcError(f"{path}:{number}: expected an object with a string 'prompt'")
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def check_prompt(prompt: str, index: int) -> None:
+    """Refuse an empty prompt, and text that is not Unicode: a command-line argument whose bytes were
+    not UTF-8 arrives holding surrogate escapes (U+DC80-U+DCFF), as can a JSON string's lone \\ud800."""
+    if not prompt:
+        raise LlmcError(f"prompt {index}: empty: give some text to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        what = (f"byte 0x{code - 0xDC00:02x} is not UTF-8" if 0xDC80 <= code <= 0xDCFF
+                else f"lone surrogate U+{code:04X}")
+        raise LlmcError(f"prompt {index}: not valid text: {what} (character {e.start})") from None

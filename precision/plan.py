@@ -65,7 +65,7 @@ class PrecisionOptions:
     smoothquant: float | None = None      # None: strength searched per activation; 0: off
     calib_tokens: int = 4096
     weights: str | None = None
-    weights_block_size: int = DEFAULT_BLOCK_SIZE
+    weights_block_size: int | None = None  # None: the backend's (compiler/targets.py), else DEFAULT_BLOCK_SIZE
     weights_symmetric: bool = SYMMETRIC   # True: no zero points (onnxruntime-genai's int4 scheme)
     config: str | None = None
     int8_dynamic: bool = False
@@ -143,7 +143,7 @@ def check_options(options: PrecisionOptions, backend: str = "onnxruntime") -> Mi
     file, and the options that cannot go together (on `backend`), refused in one line naming them."""
     if options.weights not in (None, "int8", "int4"):
         raise LlmcError(f"--weights: '{options.weights}' is not a weight format (int8, int4)")
-    if options.weights_block_size not in BLOCK_SIZES:
+    if options.weights_block_size is not None and options.weights_block_size not in BLOCK_SIZES:
         raise LlmcError(f"--weights-block-size: {options.weights_block_size} is not supported "
                         f"({', '.join(map(str, BLOCK_SIZES))})")
     if options.smoothquant is not None and not 0.0 <= options.smoothquant < 1.0:
@@ -175,7 +175,8 @@ def check_options(options: PrecisionOptions, backend: str = "onnxruntime") -> Mi
         where = "--int8-dynamic" if options.int8_dynamic else f"--precision-config {options.config}: int8-dynamic"
         raise LlmcError(f"{where} and --backend tensorrt: TensorRT computes int8 activation scales only ahead of "
                         "time; use --int8-calib DIR")
-    if backend == "tensorrt" and "int4" in asked and options.weights_block_size not in INT4_BLOCK_SIZES:
+    if (backend == "tensorrt" and "int4" in asked and options.weights_block_size is not None
+            and options.weights_block_size not in INT4_BLOCK_SIZES):
         raise LlmcError(f"--weights-block-size {options.weights_block_size} and --backend tensorrt: TensorRT's int4 "
                         f"blocks hold {' or '.join(map(str, INT4_BLOCK_SIZES))} weights")
     return config
@@ -235,6 +236,7 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
 
     by_name = {l.name: l for l in linears}
     entry = {"fp16": options.fp16, "linears": chosen}
+    block_size = options.weights_block_size or DEFAULT_BLOCK_SIZE
     # int4 first: its activation-aware scales are measured on the float graph and fold into
     # norms and projections that must not have been rewritten yet.
     for bits, label in ((4, "int4"), (8, "int8-weights")):
@@ -245,9 +247,9 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
         if bits == 4 and calibration:  # activation-aware scaling (precision/awq.py)
             activations = observe(model, calibration, sorted({l.node.input[0] for l in layers}), histograms=False,
                                   sample_rows=WEIGHT_SAMPLE_ROWS, progress=progress)
-        quantize_weights(model, bits, options.weights_block_size, select=lambda node: id(node) in nodes,
+        quantize_weights(model, bits, block_size, select=lambda node: id(node) in nodes,
                          symmetric=options.weights_symmetric, activations=activations)
-        entry["weights_block_size"] = options.weights_block_size
+        entry["weights_block_size"] = block_size
         entry["weights_symmetric"] = options.weights_symmetric
         entry[f"{label}_activation_aware"] = activations is not None
     for label, dynamic in (("int8", False), ("int8-dynamic", True)):

@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from llmc.compiler import build
+from llmc.compiler import targets
 from llmc.compiler.segments import split_at_paged_attention
 from llmc.compiler.tensorrt_network import PLUGIN_NAME, PLUGIN_NAMESPACE
 from llmc.formats.onnx_io import serialize
@@ -32,13 +32,13 @@ from llmc.plugins.paged_attention import DOMAIN, OP_TYPE, paged_attention_refere
 def capture_tensorrt_graph(monkeypatch) -> list[onnx.ModelProto]:
     """Record each graph `compile_model` checks for TensorRT from now on (the list fills as it runs)."""
     graphs: list[onnx.ModelProto] = []
-    check = build.check_network
+    check = targets.check_network
 
     def recording(model):
         graphs.append(model)
         return check(model)
 
-    monkeypatch.setattr(build, "check_network", recording)
+    monkeypatch.setattr(targets, "check_network", recording)
     return graphs
 
 

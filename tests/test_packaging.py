@@ -43,7 +43,7 @@ def test_wheel_and_sdist_build_and_the_wheel_holds_the_package_only(distribution
     assert not [n for n in names if n.split("/")[1] in NOT_PACKAGED]
     with tarfile.open(sdist) as archive:
         assert "llmc-0.1.0/pyproject.toml" in archive.getnames()
-    for module in ("llmc/cli.py", "llmc/compiler/export.py", "llmc/runtime/sampler.py",
+    for module in ("llmc/cli/__init__.py", "llmc/cli/compile.py", "llmc/compiler/export.py", "llmc/runtime/sampler.py",
                    "llmc/models/decoder.py"):
         assert module in names
     entry_points = zipfile.ZipFile(wheel).read("llmc-0.1.0.dist-info/entry_points.txt").decode()
@@ -123,6 +123,7 @@ FORBIDDEN = {
     "llm": {"compiler", "passes", "precision", "models", "cli"},
     "server": {"compiler", "passes", "precision", "models", "cli", "llm", "server_ray"},
     "server_ray": {"compiler", "passes", "precision", "models", "cli", "llm"},
+    "inspection": {"passes", "precision", "models", "plugins", "cli", "llm", "server", "server_ray"},
     "tokenizer": {"compiler", "passes", "precision", "runtime", "models", "plugins", "formats", "llm", "cli"},
 }
 

@@ -1,0 +1,8 @@
+"""The `llmc` command line: one module per command, each parsing its options and calling the
+public Python API (llmc/__init__.py); common.py holds the group and its error policy."""
+
+from llmc.cli.common import entry, main
+from llmc.cli import (bench, check, compile, export, inspect, optimize, run, sensitivity,  # noqa: F401 (registers)
+                      serve)
+
+__all__ = ["entry", "main"]

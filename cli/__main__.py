@@ -1,0 +1,5 @@
+"""`python -m llmc.cli`: the `llmc` command."""
+
+from llmc.cli import entry
+
+entry()

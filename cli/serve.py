@@ -1,0 +1,73 @@
+"""`llmc serve`: an engine behind an OpenAI-compatible HTTP API (llmc/server.py, llmc/server_ray.py)."""
+
+import os
+from pathlib import Path
+
+import click
+
+from llmc.cli.common import existing, main, share_threads, speculative_tokens_option
+from llmc.errors import LlmcError
+
+
+@main.command()
+@click.argument("engine", type=click.Path(dir_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--model-name", help="The model name clients pass (default: the engine file's name without .plan).")
+@click.option("--max-waiting", default=256, show_default=True, type=int,
+              help="Requests admitted beyond the running seats; past it, HTTP 429 with Retry-After.")
+@click.option("--max-num-seqs", type=int, help="Scheduler: sequences per step (default: the engine's max batch).")
+@click.option("--max-num-batched-tokens", type=int, help="Scheduler: tokens per step (default 512).")
+@click.option("--max-wait-ms", default=0.0, show_default=True, type=float,
+              help="Scheduler: hold new requests this long to fill a batch (latency for throughput).")
+@click.option("--policy", default="priority", show_default=True,
+              help="Scheduler: priority (a request's \"priority\" field, lower first, then arrival) or fifo.")
+@click.option("--threads", type=int, help="CPU threads (default: every core).")
+@click.option("--kv-pool-mb", type=float, help="KV pool size (default: the compiled size or the load-time rule).")
+@click.option("--ray", "use_ray", is_flag=True, help="Serve replicas as Ray Serve deployments behind Ray's HTTP proxy "
+              "(a local Ray cluster, or RAY_ADDRESS's).")
+@click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: engine replicas.")
+@speculative_tokens_option
+def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_batched_tokens, max_wait_ms, policy,
+          threads, kv_pool_mb, use_ray, replicas, speculative_tokens):
+    """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
+    import importlib.util
+
+    from llmc.formats.engine_file import read_manifest
+    from llmc.runtime.engine import Engine
+    from llmc.runtime.scheduler import SchedulerConfig
+    from llmc.server import ServerOptions, create_app, serve as run_server
+
+    missing = [m for m in ("starlette", "uvicorn", "prometheus_client", "jinja2") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise LlmcError(f"llmc serve needs {', '.join(missing)}: pip install 'llmc[serve]'")
+
+    if max_waiting < 0:
+        raise LlmcError(f"--max-waiting: must be ≥ 0, got {max_waiting}")
+    if replicas < 1:
+        raise LlmcError(f"--replicas: must be ≥ 1, got {replicas}")
+    paged = read_manifest(existing(engine))["paged"]
+    if not paged:
+        raise LlmcError(f"{engine}: llmc serve needs a paged engine (compiled without --no-paged)")
+    scheduler = {"max_num_seqs": max_num_seqs or paged["max_batch"], "max_wait_ms": max_wait_ms, "policy": policy,
+                 **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {})}
+    config = SchedulerConfig(**scheduler)  # a bad value fails here, before any replica starts
+    name = model_name or Path(engine).stem
+    if use_ray:
+        from llmc import server_ray
+
+        cores = os.cpu_count() or 1
+        app = server_ray.application(str(Path(engine).resolve()), ServerOptions(model_name=name, max_waiting=max_waiting),
+                                     scheduler, replicas, cpus_per_replica=cores / replicas,
+                                     threads=threads or max(1, cores // replicas), kv_pool_mb=kv_pool_mb,
+                                     speculative_tokens=speculative_tokens)
+        click.echo(f"serving {name} on http://{host}:{port}/v1 with {replicas} Ray Serve replicas (Ctrl-C or "
+                   f"SIGTERM stops)", err=True)
+        server_ray.run(app, host, port)
+        return
+    share_threads(threads)
+    loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1,
+                    speculative_tokens=speculative_tokens)
+    app = create_app(loaded, ServerOptions(model_name=name, max_waiting=max_waiting))
+    click.echo(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops)", err=True)
+    run_server(app, host, port)
