@@ -1,14 +1,16 @@
 """The serving engine: one object that owns everything a paged engine file needs to serve.
 
-`Engine` is built from an engine file and owns, for its lifetime, the tokenizer, the decoder (its
-onnxruntime sessions and the KV pool), the block manager and the scheduler. Nothing else writes
+`Engine` is built from an engine file and owns, for its lifetime, the tokenizer, the backend (its
+sessions or TensorRT engine), the KV cache (pool and block manager) and the scheduler. Nothing else writes
 the pool or hands out its blocks: `LLM` (llm.py) and `AsyncEngine` (async_engine.py) are thin
 drivers of one `Engine`, so the prefix cache and the warmed-up sessions last across their calls.
 
-`step()` is schedule → execute → postprocess. Requests join and leave the running batch at every
-step (continuous batching). Execute packs the scheduled chunks into one call of the decoder,
-performs the block copies the block manager asked for, and stores the step's new keys and values
-in the pool; postprocess samples for every request whose prompt (or last token) is now fully
+`step()` is schedule → plan → execute → postprocess. Requests join and leave the running batch at
+every step (continuous batching). The plan (runtime/step_plan.py) adds guesses, packs the
+scheduled chunks and picks the backend's path, as a value logged at debug level; execute applies
+the block copies the block manager asked for and hands the plan to the backend
+(runtime/backends/base.py: one contract, the backend found by the engine file's name in
+runtime/backends/registry.py), which stores the step's new keys and values in the pool; postprocess samples for every request whose prompt (or last token) is now fully
 computed, turns tokens into text incrementally, applies stop conditions and releases finished
 requests' blocks. A step that raises fails the requests it held (their outputs carry the error)
 and frees their blocks; the engine keeps serving the others. A greedy request's decode may
@@ -22,6 +24,7 @@ thread that steps).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -31,15 +34,18 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.formats.engine_file import EngineFile, SectionCheck, read_engine
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
+from llmc.runtime.backends.base import Backend, BackendOptions
+from llmc.runtime.backends.registry import entry_for, open_backend
 from llmc.runtime.contiguous_generation import finish_reason
 from llmc.runtime.detokenizer import IncrementalText
 from llmc.runtime.prompt_lookup import PromptLookup
 from llmc.runtime.sampler import is_argmax, sample
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.scheduler import Chunk, Request, Scheduler, SchedulerConfig
-from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig
+from llmc.runtime.step_plan import StepPlan, StepPlanner, packed_plan
 from llmc.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # Guesses a step may add (`Engine`'s speculative_tokens): measured in bench/RESULTS.md (speculation).
 SPECULATIVE_TOKENS = 4
@@ -58,7 +64,7 @@ def default_speculative_tokens(manifest, steps_round_alike: Callable[[], bool] |
     which turns any such rounding into different codes now and then (SmolLM2-135M int4: 0.7 on
     average in the logits, against 8.9 from fp32): there only bit-for-bit equal logits will do,
     which the whole graph of an engine built with the lone token's padding row gives on CPUs
-    where `steps_round_alike` (the decoder's check, run here) says so. Elsewhere guessing is the
+    where `steps_round_alike` (the backend's check, run here) says so. Elsewhere guessing is the
     user's choice."""
     if linears_in_fp32(manifest):
         return SPECULATIVE_TOKENS
@@ -78,12 +84,10 @@ class RequestOutput:
 
 
 def load_engine_file(path: str | os.PathLike | EngineFile, verify: bool = True) -> EngineFile:
-    """Read an engine file this build can run (onnxruntime or TensorRT); `verify=False` leaves
+    """Read an engine file this build can run (runtime/backends/registry.py); `verify=False` leaves
     the sections' checksums to the caller (formats/engine_file.py, `SectionCheck`)."""
     engine = path if isinstance(path, EngineFile) else read_engine(path, verify=verify)
-    if engine.manifest.backend not in ("onnxruntime", "tensorrt"):
-        raise LlmcError(f"{engine.path}: backend '{engine.manifest.backend}' cannot run here; this "
-                        "build of llmc runs onnxruntime and TensorRT engines")
+    entry_for(engine)
     return engine
 
 
@@ -123,7 +127,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int], max_seq_len
 
 
 class Engine:
-    """Continuous batching over a paged engine file.
+    """Continuous batching over a paged engine file; owns its backend, KV cache and scheduler.
 
     Args:
         engine: the engine file (a path, or one already read: its checksums are then the
@@ -131,15 +135,15 @@ class Engine:
         config: scheduling limits; defaults from the engine's max batch.
         threads: CPU threads for the backend; None uses every core.
         kv_pool_mb: KV pool size in MiB; None: the compiled size or the default rule
-            (runtime/backends/paged_onnxruntime.py, `pool_blocks`).
+            (runtime/kv_cache.py, `pool_blocks`).
         section_check: the checksums of an engine read by the caller, still being verified: a
             mismatch fails the steps after it is found.
         single_sequence: run steps that hold one sequence, or only decodes, on the engine's
             single-sequence graph (runtime/backends/whole_graph.py), when it has one; False:
-            every step on the segments (the CPU backend only).
-        concurrent: requests are expected to overlap (a server, a throughput benchmark): the
-            segments' sessions are built at load, not by the first step of several sequences
-            (the CPU backend only; see `PagedDecoder`).
+            every step packed (the CPU backend only).
+        concurrent: requests are expected to overlap (a server, a throughput benchmark): what a
+            step of several sequences needs is built at load, not by the first such step (see
+            `BackendOptions`).
         speculative_tokens: tokens a step may guess ahead for a greedy request (prompt-lookup
             decoding, runtime/prompt_lookup.py; beside other requests, only guesses likely to be
             kept); the step keeps those greedy decoding picks anyway. 0 turns it off; None:
@@ -153,43 +157,52 @@ class Engine:
         if speculative_tokens is not None and (not isinstance(speculative_tokens, int) or speculative_tokens < 0):
             raise LlmcError(f"--speculative-tokens: must be an integer ≥ 0, got {speculative_tokens!r}")
         self.section_check = section_check
+        options = BackendOptions(threads, single_sequence, concurrent)
         if isinstance(engine, EngineFile):
-            self._load(engine, threads, kv_pool_mb, single_sequence, concurrent)
+            self._load(engine, options, kv_pool_mb)
         else:
             engine = load_engine_file(engine, verify=False)
             self.section_check = SectionCheck(engine)
             with self.section_check.graphs_checked():  # in a thread while the sessions are built
-                self._load(engine, threads, kv_pool_mb, single_sequence, concurrent)
+                self._load(engine, options, kv_pool_mb)
         paged = engine.manifest.paged
         self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch)
-        self.blocks = BlockManager(self.decoder.num_blocks, paged.block_size, paged.window)
-        self.scheduler = Scheduler(self.config, self.blocks)
+        self.scheduler = Scheduler(self.config, self.kv.blocks)
         self.max_seq_len = paged.max_seq_len
-        self.decoder.warm_up()  # the first calls of each path, not a step of the largest size
+        self.backend.warm_up()  # the first calls of each path, not a step of largest size
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalText] = {}
         self._utilization_sum, self._steps = 0.0, 0
-        single = getattr(self.decoder, "single", None)  # the whole graph, where the backend has one
-        self.speculative_tokens = speculative_tokens if speculative_tokens is not None else \
-            default_speculative_tokens(self.manifest, single and single.steps_round_alike)
-        # Beside other requests a step with a guess runs on the segments, whose attention rounds
-        # unlike the whole graph's: exact enough for fp32 linear layers only.
-        self._guess_beside_others = linears_in_fp32(self.manifest)
+        guesses = speculative_tokens if speculative_tokens is not None else \
+            default_speculative_tokens(self.manifest, self.backend.steps_round_alike)
+        # Beside other requests a step with a guess runs packed, whose attention rounds unlike the
+        # whole graph's: exact enough for fp32 linear layers only.
+        self.planner = StepPlanner(self.backend.paths, guesses, linears_in_fp32(self.manifest), self.scheduler,
+                                   self._budget)
         self._lookups: dict[str, PromptLookup] = {}  # requests that may speculate
         self._drafted = self._accepted = 0
 
-    def _load(self, engine: EngineFile, threads: int | None, kv_pool_mb: float | None, single_sequence: bool,
-              concurrent: bool) -> None:
+    def _load(self, engine: EngineFile, options: BackendOptions, kv_pool_mb: float | None) -> None:
         if engine.manifest.paged is None:
             raise LlmcError(f"{engine.path}: not a paged engine ({engine.manifest.not_paged}); Engine needs one")
         self.path, self.manifest = engine.path, engine.manifest
         self.tokenizer = load_tokenizer(engine)
-        if engine.manifest.backend == "tensorrt":  # imports TensorRT and torch: only for its engines
-            from llmc.runtime.backends.tensorrt import TensorRTDecoder
+        self.backend: Backend
+        self.backend, self.kv = open_backend(engine, options, kv_pool_mb)
 
-            self.decoder = TensorRTDecoder(engine, threads, kv_pool_mb)
-        else:
-            self.decoder = PagedDecoder(engine, threads, kv_pool_mb, single_sequence, segments_at_load=concurrent)
+    @property
+    def speculative_tokens(self) -> int:
+        """The most tokens a greedy request guesses ahead (the planner's; 0: none)."""
+        return self.planner.speculative_tokens
+
+    @speculative_tokens.setter
+    def speculative_tokens(self, tokens: int) -> None:
+        self.planner.speculative_tokens = tokens
+
+    @property
+    def blocks(self):
+        """The KV cache's block manager."""
+        return self.kv.blocks
 
     def request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                 priority: int = 0, request_id: str | None = None) -> Request:
@@ -233,13 +246,14 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        if self._lookups:
-            chunks = self._with_drafts(chunks)
+        plan = self.planner.plan(chunks, self._lookups)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", plan)
         try:
-            logits = self._execute(chunks)
+            logits = self._execute(plan)
         except Exception as error:  # the requests of this step fail; the others keep running
-            return [self._fail(chunk.request, error) for chunk in chunks]
-        return self._postprocess(chunks, logits)
+            return [self._fail(chunk.request, error) for chunk in plan.chunks]
+        return self._postprocess(plan, logits)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """[tokens, vocab] logits at every position of one sequence, computed from scratch in
@@ -257,7 +271,7 @@ class Engine:
             table = np.array([self.blocks.block_table(sequence)], np.int64)
             positions = np.arange(len(ids))
             batch = PagedBatch(table, np.zeros(1, np.int64), np.array([0, len(ids)]))
-            return self.decoder.step(ids, positions, batch, rows=positions)
+            return self.backend.run(packed_plan(self.backend.paths, ids, positions, batch, positions))
         finally:
             self.blocks.free(sequence)
 
@@ -268,62 +282,19 @@ class Engine:
                 "preemptions": self.scheduler.preemptions,
                 "speculative_tokens": self._drafted, "speculative_tokens_kept": self._accepted}
 
-    def _with_drafts(self, chunks: list[Chunk]) -> list[Chunk]:
-        """The step's decode chunks with their requests' guesses, within the step's token budget.
-        A request alone in its step guesses up to speculative_tokens: the step reads the weights
-        once for all its tokens. Beside others it guesses only as far as its guesses are likely
-        to be kept (`PromptLookup.likely`): such a step is bound by compute as well, and a step
-        with a guess runs on the segments (measured: as fast as the whole graph from 16 decodes
-        up, 5-10% slower at 4)."""
-        room = self.config.max_num_batched_tokens - sum(c.count for c in chunks)
-        drafted = []
-        for chunk in chunks:
-            request = chunk.request
-            lookup = self._lookups.get(request.request_id)
-            if lookup is not None and room > 0 and chunk.count == 1 and chunk.start == len(request.token_ids) - 1:
-                # Guesses past the request's last token would be generated for nothing.
-                limit = min(self.speculative_tokens, room, self._budget(request) - len(request.output_ids) - 1)
-                draft = lookup.propose(limit) if len(chunks) == 1 else \
-                    lookup.likely(limit) if self._guess_beside_others else []
-                chunk = self.scheduler.with_draft(chunk, draft) if draft else chunk
-                room -= len(chunk.draft)
-            drafted.append(chunk)
-        return drafted
-
-    def _execute(self, chunks: list[Chunk]) -> np.ndarray:
+    def _execute(self, plan: StepPlan) -> np.ndarray:
         if self.section_check is not None:
             self.section_check.raise_if_failed()  # corrupted weights: no step may run
-        self.decoder.copy_blocks(self.scheduler.copies)
-        tables = [self.blocks.block_table(c.request.request_id) for c in chunks]
-        width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(chunks), width), np.int64)
-        for row, table in enumerate(tables):
-            # Blocks released behind the window are None: the op never reads their entries.
-            block_tables[row, :len(table)] = [0 if block is None else block for block in table] \
-                if None in table else table
-        starts = np.array([c.start for c in chunks], np.int64)
-        rows = None  # each chunk's last token
-        if all(c.count == 1 for c in chunks):  # decodes only: a token each
-            tokens = np.array([c.request.token_ids[c.start] for c in chunks], np.int64)
-            positions, packed = starts, np.arange(len(chunks) + 1)
-        else:
-            tokens = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
-            positions = np.concatenate([np.arange(c.start, c.start + c.count) for c in chunks]).astype(np.int64)
-            packed = np.concatenate([[0], np.cumsum([c.count for c in chunks])]).astype(np.int64)
-            if any(c.draft for c in chunks):  # a guess is checked against the logits before it
-                rows = np.concatenate([np.arange(end - 1 - len(c.draft), end) for c, end in zip(chunks, packed[1:])])
+        self.kv.copy_blocks(plan.copies)
         self._utilization_sum += self.blocks.utilization
         self._steps += 1
-        # A request that may guess, alone in its step: its output must not depend on how its
-        # guesses cut its steps. (Any other runs as it always has: the padding costs a step.)
-        exact = len(chunks) == 1 and chunks[0].request.request_id in self._lookups
-        return self.decoder.step(tokens, positions, PagedBatch(block_tables, starts, packed), rows, exact)
+        return self.backend.run(plan)
 
-    def _postprocess(self, chunks: list[Chunk], logits: np.ndarray) -> list[RequestOutput]:
+    def _postprocess(self, plan: StepPlan, logits: np.ndarray) -> list[RequestOutput]:
         outputs = []
         best = None  # every row's largest logit, found once for the requests that take it
         row = -1  # the logits row of the chunk's last token
-        for index, chunk in enumerate(chunks):
+        for index, chunk in enumerate(plan.chunks):
             request = chunk.request
             row += 1 + len(chunk.draft)
             try:
@@ -346,7 +317,7 @@ class Engine:
                 outputs.append(self._fail(request, error))
         return outputs
 
-    def _verify(self, index: int, chunk: Chunk, picks: list[int]) -> list[RequestOutput]:
+    def _verify(self, index: int, chunk, picks: list[int]) -> list[RequestOutput]:
         """Keep the guesses greedy decoding picked (`picks`: its token after each of the chunk's
         tokens) and the token it picked after the last of them; the rest of the step's keys and
         values, and their blocks, are dropped. One output per token, up to a stop."""
@@ -359,7 +330,7 @@ class Engine:
         self._lookups[request.request_id].record(len(draft), kept)
         request.num_computed = chunk.start + 1 + kept
         self.blocks.truncate(request.request_id, request.num_computed)
-        self.decoder.keep(index, request.num_computed)
+        self.kv.keep(index, request.num_computed)
         self.blocks.mark_computed(request.request_id, request.num_computed)
         outputs = []
         for token in picks[:kept + 1]:

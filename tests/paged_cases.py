@@ -34,3 +34,25 @@ def build_case(rng, past_lens, new_lens, heads, kv_heads, head_dim, block_size, 
     value = rng.standard_normal((total, kv_heads, head_dim)).astype(np.float32)
     starts = np.concatenate([[0], np.cumsum(new_lens)])
     return (query, key, value, key_cache, value_cache, tables, np.array(past_lens), starts), (dense_k, dense_v)
+
+
+class Stepper:
+    """A backend and its KV cache, stepped as the engine steps them (runtime/backends/base.py), with
+    the arrays a test packs by hand."""
+
+    def __init__(self, backend, kv):
+        self.backend, self.kv = backend, kv
+
+    @classmethod
+    def open(cls, engine, kv_pool_mb=None, **options):
+        from llmc.runtime.backends.base import BackendOptions
+        from llmc.runtime.backends.registry import open_backend
+
+        return cls(*open_backend(engine, BackendOptions(**options), kv_pool_mb))
+
+    def step(self, tokens, positions, batch, rows=None):
+        """The logits of `rows` (default: each sequence's last token) of a step of packed tokens."""
+        from llmc.runtime.step_plan import packed_plan
+
+        rows = np.asarray(batch.query_start_loc)[1:] - 1 if rows is None else np.asarray(rows)
+        return self.backend.run(packed_plan(self.backend.paths, np.asarray(tokens), np.asarray(positions), batch, rows))

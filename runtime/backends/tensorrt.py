@@ -1,10 +1,11 @@
-"""One step of a paged TensorRT engine on an NVIDIA GPU: the same contract as the CPU backend
-(runtime/backends/paged_onnxruntime.py): packed tokens in, the asked rows' logits out, the step's
-new keys and values stored into the pool afterwards.
+"""The TensorRT backend: a paged TensorRT engine's steps on an NVIDIA GPU (the contract:
+runtime/backends/base.py): packed tokens in, the asked rows' logits out, the step's new keys and
+values stored into the pool afterwards.
 
 The engine (compiler/tensorrt_build.py) runs the whole graph, the ``llmc::paged_attention``
-plugin inside it reading the pool in place. This object owns the device side: the KV pool (one
-key and one value tensor per layer, torch on the GPU), one execution context, and runs everything
+plugin inside it reading the pool in place. The engine's KV cache (runtime/kv_cache.py) holds the
+pool, one torch tensor on the GPU that this object allocates for it and binds each layer's key and
+value view of once; this object owns one execution context and runs everything
 on torch's current CUDA stream. Inputs and outputs are bound by address (`set_tensor_address`), so nothing is copied
 but the step's few index arrays in and the logits rows out; the pool is bound once. The new
 keys and values come out of the graph and are scattered into the pool's slots by one indexed
@@ -39,7 +40,9 @@ from llmc.formats.engine_file import EngineFile
 from llmc.formats.manifest import TensorRTBuild
 from llmc.plugins.cuda_device import current_gpu
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.runtime.backends.paged_onnxruntime import pool_blocks
+from llmc.runtime.backends.base import BackendOptions, PoolPlacement
+from llmc.runtime.kv_cache import KvCache
+from llmc.runtime.step_plan import StepPaths, StepPlan
 
 SECTION = "engine.trt"
 
@@ -84,20 +87,20 @@ def require_tensorrt_runtime():
 STEP_INPUTS = ("input_ids", "position_ids", "block_tables", "context_lens", "query_start_loc", "logits_rows")
 
 
-class TensorRTDecoder:
-    """The execution context, the KV pool on the GPU and the step.
+class TensorRTBackend:
+    """The execution context and the step; the pool on the GPU, sized by the GPU's free memory and
+    capped at the engine profile's blocks.
 
     Args:
         engine: a TensorRT engine file (backend "tensorrt").
-        threads: unused (CPU threads); kept for the backends' common signature.
-        kv_pool_mb: the KV pool's size in MiB; None: the compiled size, or the default rule
-            (`pool_blocks`) over the GPU's free memory. Capped at the engine profile's blocks.
+        options: unused (CPU threads, the CPU's paths).
         device: "cuda" (the GPU that runs the engine), or "cpu" for tests with a stand-in for
             TensorRT's core.
     """
 
-    def __init__(self, engine: EngineFile, threads: int | None = None, kv_pool_mb: float | None = None,
-                 device: str = "cuda"):
+    paths = StepPaths()  # every step packed
+
+    def __init__(self, engine: EngineFile, options: BackendOptions = BackendOptions(), device: str = "cuda"):
         trt, torch = require_tensorrt_runtime()
         manifest, paged = engine.manifest, engine.manifest.paged
         if manifest.tensorrt is None or paged is None:
@@ -128,25 +131,21 @@ class TensorRTDecoder:
         # The step's limits, from the profile TensorRT enforces (compiler/tensorrt_network.py).
         self.max_tokens, self.max_seqs = highest["input_ids"][1], highest["context_lens"][0]
         free = torch.cuda.mem_get_info()[0] if device == "cuda" else None
-        self.num_blocks = min(pool_blocks(paged, self.geometry, kv_pool_mb, available=free), highest["key_cache.0"][0])
-        shape = (self.num_blocks, self.geometry.num_kv_heads, paged.block_size, self.geometry.head_dim)
-        pool_type = getattr(torch, paged.kv_dtype)
-        self.pools = {f"{part}_cache.{i}": torch.zeros(shape, dtype=pool_type, device=device)
-                      for i in range(self.geometry.num_layers) for part in ("key", "value")}
+        self.placement = PoolPlacement(
+            lambda shape, dtype: torch.zeros(shape, dtype=getattr(torch, dtype), device=device), free,
+            highest["key_cache.0"][0])
+
+    def attach(self, kv: KvCache) -> None:
+        self.pools = kv.layer_pools()
         for name, pool in self.pools.items():  # bound once: the pool never moves
             self._set_shape(name, tuple(pool.shape))
             self._context.set_tensor_address(name, pool.data_ptr())
 
-    def keep(self, sequence: int, length: int) -> None:
-        """Speculative tokens not kept: the step wrote them into the pool, where nothing reads
-        them (see `PagedDecoder.keep`); nothing to undo."""
-
-    def step(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch,
-             rows: np.ndarray | None = None, exact: bool = False) -> np.ndarray:
-        """Run one packed step; stores its keys and values; returns the logits of the packed
-        `rows` (default: each sequence's last token), [rows, vocab] float32 on the host.
-        `exact` is the CPU decoder's (its whole graph's padding row); nothing here pads."""
-        rows = np.asarray(batch.query_start_loc[1:] - 1 if rows is None else rows, np.int64)
+    def run(self, plan: StepPlan) -> np.ndarray:
+        """Run one packed step; stores its keys and values; returns the logits of the plan's
+        rows, [rows, vocab] float32 on the host."""
+        tokens, positions, batch = plan.tokens, plan.positions, plan.batch
+        rows = np.asarray(plan.rows, np.int64)
         pieces = split_step(np.asarray(batch.query_start_loc, np.int64), self.max_tokens, self.max_seqs)
         if len(pieces) == 1 and len(rows):
             return self._run(tokens, positions, batch, rows)
@@ -213,20 +212,14 @@ class TensorRTDecoder:
                 raise LlmcError(f"{where}: the engine's input {name} is {self._engine.get_tensor_dtype(name)}; this "
                                 f"runtime binds {expected.get(name, 'no such input')} (recompile the engine)")
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: pool block `src` into `dst` for each pair, in every pool, on the device."""
-        if not pairs:
-            return
-        src = self.torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = self.torch.tensor([d for _, d in pairs], device=self.device)
-        for pool in self.pools.values():
-            pool[dst] = pool[src]
-
     def warm_up(self) -> None:
         """One throw-away decode step, so the first real one does not pay for lazy CUDA set-up.
         It writes only into block 0 before any request owns it."""
         batch = PagedBatch(np.zeros((1, 1), np.int64), np.zeros(1, np.int64), np.array([0, 1], np.int64))
-        self.step(np.zeros(1, np.int64), np.zeros(1, np.int64), batch)
+        self.run(StepPlan("packed", np.zeros(1, np.int64), np.zeros(1, np.int64), batch, np.zeros(1, np.int64)))
+
+    def steps_round_alike(self) -> bool:
+        return False  # not checked on a GPU: guessing stays the user's choice
 
     def _trt_type(self, dtype: str) -> Any:
         return {"float32": self.trt.float32, "float16": self.trt.float16, "bfloat16": self.trt.bfloat16}[dtype]
@@ -238,6 +231,26 @@ class TensorRTDecoder:
         if data_type not in types:
             raise LlmcError(f"TensorRT engine output of type {data_type}: not one llmc reads")
         return types[data_type]
+
+
+def deploy_checks(manifest, record) -> None:
+    """A GPU, and the engine built for this machine's TensorRT release and GPU (`check_compatible`);
+    the registry's requirements (tensorrt, torch importable) were checked first."""
+    import tensorrt
+
+    from llmc.plugins import cuda_device  # looked up when called: tests stand in for the GPU
+
+    try:
+        gpu = cuda_device.current_gpu()
+    except LlmcError as error:
+        record("GPU", False, str(error))
+        return
+    record("GPU", True, f"{gpu['name']} (compute capability {gpu['compute_capability']})")
+    try:
+        check_compatible(manifest.tensorrt, tensorrt.__version__, gpu, "engine")
+        record("built for this TensorRT and GPU", True, f"TensorRT {manifest.tensorrt.version} on {manifest.tensorrt.gpu}")
+    except LlmcError as error:
+        record("built for this TensorRT and GPU", False, str(error))
 
 
 def split_step(query_start_loc: np.ndarray, max_tokens: int, max_seqs: int) -> list[list[tuple[int, int, int]]]:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from llmc.cli import main
 from llmc.formats.engine_file import read_engine, read_manifest
 from llmc.plugins.paged_attention import PagedBatch
-from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
+from paged_cases import Stepper
 
 PROMPTS = ["def fibonacci(", "import os", "x = [", "while True:"]
 
@@ -181,7 +181,7 @@ def test_only_the_rows_asked_for_are_projected_to_logits_and_they_are_the_same(t
     ids = np.random.default_rng(0).integers(0, engine.manifest.geometry.vocab_size, 40)
     batch = PagedBatch(np.arange(3)[None], np.zeros(1, np.int64), np.array([0, len(ids)]))
     for single_sequence in (True, False):
-        decoder = PagedDecoder(engine, threads=1, kv_pool_mb=4, single_sequence=single_sequence)
+        decoder = Stepper.open(engine, kv_pool_mb=4, threads=1, single_sequence=single_sequence)
         every = decoder.step(ids, np.arange(len(ids)), batch, rows=np.arange(len(ids)))
         chosen = decoder.step(ids, np.arange(len(ids)), batch, rows=np.array([7, 39]))
         np.testing.assert_allclose(chosen, every[[7, 39]], rtol=0, atol=1e-5)

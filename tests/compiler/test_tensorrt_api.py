@@ -37,6 +37,7 @@ from llmc.errors import LlmcError
 from llmc.formats.engine_file import read_engine
 from llmc.formats.manifest import TensorRTBuild
 from llmc.plugins.paged_attention import PLUGIN_ID, PagedBatch
+from paged_cases import Stepper
 
 tensorrt_wheel = pytest.importorskip("tensorrt_wheel")
 TENSORRT_MODULES = ("compiler/tensorrt_build.py", "plugins/tensorrt_plugin.py", "runtime/backends/tensorrt.py")
@@ -393,25 +394,28 @@ def _attention_free(description, inputs):
 
 @pytest.fixture
 def decoder(built_engine, trt):
-    from llmc.runtime.backends.tensorrt import TensorRTDecoder
+    from llmc.runtime.backends.registry import attach_cache
+    from llmc.runtime.backends.tensorrt import TensorRTBackend
 
     trt.execute = _attention_free
     path, _, _ = built_engine
-    return TensorRTDecoder(read_engine(path), kv_pool_mb=1000, device="cpu")
+    engine = read_engine(path)
+    backend = TensorRTBackend(engine, device="cpu")
+    return Stepper(backend, attach_cache(backend, engine, kv_pool_mb=1000))
 
 
 def test_runtime_binds_runs_and_stores_keys_in_their_slots(decoder):
-    block = decoder.block_size
+    block = decoder.backend.block_size
     # Two sequences: 3 new tokens after 5 cached (blocks 4, 7), and one decode after block_size cached (2, 3).
     batch = PagedBatch(np.array([[4, 7], [2, 3]]), np.array([5, block]), np.array([0, 3, 4]))
     logits = decoder.step(np.array([10, 11, 12, 20]), np.array([5, 6, 7, block]), batch)
     np.testing.assert_array_equal(logits[:, :3], [[7, 12, 7], [block, 20, block]])  # each sequence's last token
-    key, value = decoder.pools["key_cache.1"].numpy(), decoder.pools["value_cache.0"].numpy()
+    key, value = decoder.backend.pools["key_cache.1"].numpy(), decoder.backend.pools["value_cache.0"].numpy()
     assert key[4, 0, 5, 0] == 11 and key[4, 0, 6, 0] == 12 and key[4, 0, 7, 0] == 13 and key[3, 0, 0, 0] == 21
     assert value[4, 0, 5, 0] == -10 and value[3, 0, 0, 0] == -20
     assert np.count_nonzero(key[:, 0, :, 0]) == 4  # nothing else written
-    decoder.copy_blocks([(4, 9)])
-    np.testing.assert_array_equal(decoder.pools["key_cache.1"].numpy()[9], key[4])
+    decoder.kv.copy_blocks([(4, 9)])
+    np.testing.assert_array_equal(decoder.backend.pools["key_cache.1"].numpy()[9], key[4])
 
 
 def test_logits_of_every_token_of_one_sequence(decoder):
@@ -434,25 +438,25 @@ def test_a_step_larger_than_the_profile_runs_as_pieces_in_order(decoder):
     logits = decoder.step(ids, positions, batch, rows=rows)
     np.testing.assert_array_equal(logits[:, 0], positions[rows])  # every token's slot is its position
     np.testing.assert_array_equal(logits[:, 1], ids[rows])
-    key = decoder.pools["key_cache.0"].numpy()[:, 0, :, 0]
-    assert decoder.block_size == 16
+    key = decoder.backend.pools["key_cache.0"].numpy()[:, 0, :, 0]
+    assert decoder.backend.block_size == 16
     stored = np.concatenate([key[5], key[6], key[7]])[:40]
     np.testing.assert_array_equal(stored, np.arange(200, 240))  # the whole prompt, in its slots
 
 
 def test_the_pool_is_capped_at_the_profile_and_types_checked(decoder, built_engine, trt):
-    from llmc.runtime.backends.tensorrt import TensorRTDecoder
+    from llmc.runtime.backends.tensorrt import TensorRTBackend
 
     path, _, _ = built_engine
     profile = json.loads(bytes(read_engine(path).sections["engine.trt"]))["profile"]
-    assert decoder.num_blocks == profile["key_cache.0"][2][0]  # 1000 MiB asked
+    assert decoder.kv.num_blocks == profile["key_cache.0"][2][0]  # 1000 MiB asked
     trt.execute = _attention_free
     engine = read_engine(path)
     described = json.loads(bytes(engine.sections["engine.trt"]))
     described["inputs"][0]["dtype"] = "INT32"  # an engine built from another graph
     engine.sections["engine.trt"] = json.dumps(described).encode()
     with pytest.raises(LlmcError, match="the engine's input input_ids is DataType.INT32; this runtime binds DataType.INT64"):
-        TensorRTDecoder(engine, device="cpu")
+        TensorRTBackend(engine, device="cpu")
 
 
 def test_a_shape_outside_the_profile_is_one_line_naming_the_input_and_range(decoder):

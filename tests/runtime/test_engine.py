@@ -99,7 +99,7 @@ def test_float16_pool_batched_equals_alone_and_stays_near_the_float32_pool(tiny_
                                        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)), PROMPTS)
     engine = Engine(tmp_path / "kv16.plan")
     assert batched == [run_all(engine, [p])[0] for p in PROMPTS]
-    assert engine.decoder.pools["key_cache.0"].dtype == "float16"
+    assert engine.kv.pool.dtype == "float16"
     # Keys and values rounded to float16 (relative error 2^-11) move the logits by far less than
     # their spread.
     ids = LLM(tiny_llama_engine).tokenizer.encode(PROMPTS[3] * 4)

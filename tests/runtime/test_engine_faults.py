@@ -321,11 +321,11 @@ def test_a_burst_far_beyond_the_pool_preempts_and_completes_every_request(small_
 
 
 class FailingStep:
-    """Wraps the decoder's step: the calls numbered in `fail_at` raise before computing anything
+    """Wraps the backend's run: the calls numbered in `fail_at` raise before computing anything
     (the pool's new slots stay unwritten), noting which requests were running."""
 
     def __init__(self, engine, fail_at):
-        self.engine, self.step, self.fail_at, self.calls = engine, engine.decoder.step, fail_at, 0
+        self.engine, self.step, self.fail_at, self.calls = engine, engine.backend.run, fail_at, 0
         self.failed_ids = []
 
     def __call__(self, *args, **kwargs):
@@ -359,7 +359,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_engine_keeps_serving(smal
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (2 * BLOCK, 9, 13, 21)]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     failing = FailingStep(engine, fail_at={1, 4})  # the first prefill; later, a decode
-    monkeypatch.setattr(engine.decoder, "step", failing)
+    monkeypatch.setattr(engine.backend, "run", failing)
     tokens, outputs = {}, {}
     first, second, third = (engine.add_request(p, params) for p in prompts[:3])
     steps(engine, 1, tokens, outputs)
@@ -389,7 +389,7 @@ def test_async_callers_in_a_failed_step_get_the_error_and_the_others_finish(smal
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (11, 24, 6, 17)]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     failing = FailingStep(engine, fail_at={4})  # a prefill, two decodes, then the fault
-    monkeypatch.setattr(engine.decoder, "step", failing)
+    monkeypatch.setattr(engine.backend, "run", failing)
     server = AsyncEngine(engine)
 
     async def consume(prompt):

@@ -14,12 +14,12 @@ from llmc.compiler.build import compile_model
 from llmc.compiler.paged_engine import PagedOptions
 from llmc.compiler.segments import split_at_paged_attention
 from llmc.formats.engine_file import read_engine
-from llmc.runtime.backends.paged_onnxruntime import PagedDecoder
+from paged_cases import Stepper
 
 
 def paged_decoder(onnx_path, block_size, folder):
     compile_model(onnx_path, folder / "engine.plan", paged=PagedOptions(block_size=block_size))
-    return PagedDecoder(read_engine(folder / "engine.plan"))
+    return Stepper.open(read_engine(folder / "engine.plan"))
 
 
 def test_packed_prefill_logits_equal_the_original_graph(tiny_llama_onnx, tmp_path):

@@ -103,8 +103,8 @@ def test_requests_decoding_together_guess_and_keep_their_greedy_outputs(tiny_lla
     guessing = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=4, single_sequence=single_sequence)
     guessed_beside_others = []
     execute = guessing._execute
-    guessing._execute = lambda chunks: guessed_beside_others.append(
-        len(chunks) > 1 and sum(bool(c.draft) for c in chunks)) or execute(chunks)
+    guessing._execute = lambda plan: guessed_beside_others.append(
+        plan.num_seqs > 1 and sum(bool(c.draft) for c in plan.chunks)) or execute(plan)
     records = []  # each request's record of its guesses, as the engine reports them
     record = PromptLookup.record
     monkeypatch.setattr(PromptLookup, "record", lambda self, guessed, kept: records.append((guessed, kept))
@@ -159,8 +159,7 @@ def test_guesses_not_kept_never_reach_the_pool_from_the_whole_graph(tiny_llama_e
     while engine.stats["speculative_tokens_kept"] == engine.stats["speculative_tokens"] or \
             engine.scheduler.running[0].num_computed % engine.blocks.block_size == 0:
         engine.step()  # until a guess was turned down, and the last block is partly filled
-    engine.decoder.single.flush()
-    pool, table = engine.decoder.pool, engine.blocks.block_table(request)
+    pool, table = engine.kv.synced(), engine.blocks.block_table(request)
     computed = engine.scheduler.running[0].num_computed
     free = engine.blocks.free_block_ids()
     assert not pool[:, free].any()  # never written: a zeroed pool
@@ -203,10 +202,10 @@ def test_a_weight_only_engine_guesses_alone_and_keeps_its_greedy_outputs_bit_for
     a step, padded the same way: a request that never guesses is not padded (its output is then
     that of engines before the padding, which rounds a lone token otherwise)."""
     guessing = Engine(weight_only_engine, kv_pool_mb=4)
-    assert guessing.decoder.single.pads and guessing.decoder.single.steps_round_alike()
+    assert guessing.backend.paths.padding_row and guessing.backend.steps_round_alike()
     assert guessing.speculative_tokens == SPECULATIVE_TOKENS
     plain = Engine(weight_only_engine, kv_pool_mb=4)
-    plain._with_drafts = lambda chunks: chunks  # never guesses
+    plain.planner._with_drafts = lambda chunks, lookups: chunks  # never guesses
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     assert generate(guessing, looping_prompts(), params) == generate(plain, looping_prompts(), params)
     assert 0 < guessing.stats["speculative_tokens_kept"] < guessing.stats["speculative_tokens"]
@@ -220,14 +219,14 @@ def test_the_padded_graph_gives_a_lone_token_the_logits_of_a_longer_step(weight_
     step equal those of one step, bit for bit. The check that finds it fails on an fp32 engine's
     graph, whose MatMuls round a lone row otherwise (onnxruntime's x86-64 kernel for one row)."""
     if platform.machine() in ("x86_64", "AMD64"):
-        assert not Engine(tiny_llama_engine, kv_pool_mb=4).decoder.single.steps_round_alike()
-    whole = Engine(weight_only_engine, kv_pool_mb=4).decoder.single
+        assert not Engine(tiny_llama_engine, kv_pool_mb=4).backend.steps_round_alike()
+    whole = Engine(weight_only_engine, kv_pool_mb=4).backend.whole
     tokens = np.array([5, 9, 2, 7, 7, 1], np.int64)
     whole._bind(1)
     at_once = whole._run_tokens(tokens, np.arange(6), 6, np.arange(6))
     one_by_one = [whole._run_tokens(tokens[i:i + 1], np.arange(i, i + 1), i + 1, [0], pad=1) for i in range(6)]
     assert np.array_equal(at_once, np.concatenate(one_by_one))
-    whole.invalidate()
+    whole.rows.invalidate()
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="onnxruntime's x86-64 int4 kernels")
@@ -240,5 +239,5 @@ def test_int4_blocks_of_128_round_rows_by_their_count_so_such_an_engine_does_not
     path = tmp_path / "int4-128.plan"
     compile_model(tiny_llama_onnx, path, precision=PrecisionOptions(weights="int4", weights_block_size=128, force=True))
     engine = Engine(path, kv_pool_mb=4)
-    assert engine.decoder.single.pads
-    assert engine.speculative_tokens == 0 and not engine.decoder.single.steps_round_alike()
+    assert engine.backend.paths.padding_row
+    assert engine.speculative_tokens == 0 and not engine.backend.steps_round_alike()

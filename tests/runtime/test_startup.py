@@ -1,6 +1,6 @@
 """Start-up: loading an engine pays for neither the KV pool's untouched pages nor a copy of the
 weights, the attention kernel comes from Numba's disk cache in a second process, and the default
-pool follows the memory budget (runtime/backends/paged_onnxruntime.py)."""
+pool follows the memory budget (runtime/kv_cache.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from llmc.compiler.build import compile_model
 from llmc.compiler.paged_engine import PagedOptions
 from llmc.errors import LlmcError
 from llmc.formats.engine_file import read_engine
-from llmc.runtime.backends.paged_onnxruntime import MEMORY_FRACTION, pool_blocks
+from llmc.runtime.kv_cache import MEMORY_FRACTION, pool_blocks
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -47,14 +47,14 @@ def test_loading_does_not_make_the_pool_resident(big_pool_engine):
     before = resident_mib()
     engine = Engine(big_pool_engine)
     grown = resident_mib() - before
-    pool_mib = sum(pool.nbytes for pool in engine.decoder.pools.values()) / MiB
+    pool_mib = engine.kv.pool.nbytes / MiB
     assert pool_mib > 2000  # the pool the compile asked for, all of it
     assert grown < 256, f"loading grew resident memory by {grown:.0f} MiB for a {pool_mib:.0f} MiB pool"
 
 
 def test_sessions_keep_no_copy_of_the_serialized_graphs(tiny_llama_engine):
-    single = Engine(tiny_llama_engine).decoder.single.session
-    sessions = [s for s in Engine(tiny_llama_engine, single_sequence=False).decoder._sessions if s is not None]
+    single = Engine(tiny_llama_engine).backend.whole.session
+    sessions = [s for s in Engine(tiny_llama_engine, single_sequence=False).backend._sessions if s is not None]
     assert sessions and all(getattr(s, "_model_bytes", None) is None for s in [single, *sessions])
 
 
@@ -105,7 +105,7 @@ def slow_kernel_load(monkeypatch, seconds: float = 0.5) -> None:
 
 
 def kernel_called(engine: Engine) -> bool:
-    return any(entry is not None for entry in engine.decoder._attention._kernels.values())
+    return any(entry is not None for entry in engine.backend._attention._kernels.values())
 
 
 def test_an_engine_for_concurrent_requests_has_run_the_kernel_when_loaded(tiny_llama_engine, monkeypatch):
@@ -119,7 +119,7 @@ def test_a_single_request_engine_does_not_wait_for_the_kernel(tiny_llama_engine,
     token comes from the dense form, so start-up leaves the kernel loading."""
     slow_kernel_load(monkeypatch)
     engine = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)
-    assert not kernel_called(engine) and not engine.decoder._attention.loaded
+    assert not kernel_called(engine) and not engine.backend._attention.loaded
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a thread count below the machine's")
@@ -166,7 +166,7 @@ def test_a_pool_sized_at_load_overrides_the_engines(tiny_llama_engine):
     size = block_bytes(manifest)
     engine = Engine(tiny_llama_engine, kv_pool_mb=40 * size / MiB)
     assert engine.blocks.num_blocks == 40
-    assert all(len(pool) == 40 for pool in engine.decoder.pools.values())
+    assert engine.kv.pool.shape[1] == 40
     with pytest.raises(LlmcError, match="fewer than the 32 blocks one sequence of 512 tokens needs"):
         pool_blocks(manifest.paged, manifest.geometry, kv_pool_mb=31 * size / MiB)
     with pytest.raises(LlmcError, match="must be > 0"):

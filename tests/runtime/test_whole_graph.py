@@ -17,6 +17,7 @@ from llmc.passes.graph import attr
 from llmc.passes.lower_single_sequence import LowerSingleSequence
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
+from paged_cases import Stepper
 
 
 @pytest.mark.parametrize("positions", [None, 64])
@@ -133,18 +134,18 @@ def test_switching_paths_makes_the_tokens_of_the_segments_alone(tiny_llama_engin
     assert read_manifest(tiny_llama_engine)["paged"]["single_sequence"] == "single_sequence.onnx"
     # One token a step (no speculation): the count of whole-graph steps below is the steps'.
     switching = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=0)
-    assert switching.decoder._sessions is None  # not built until a step holds two sequences
+    assert switching.backend._sessions is None  # not built until a step holds two sequences
     segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False, speculative_tokens=0)
-    assert segments.decoder.single is None
+    assert segments.backend.whole is None
     both = Engine(tiny_llama_engine, kv_pool_mb=4, concurrent=True)  # a server's: both paths built at load
-    assert both.decoder.single is not None and both.decoder._sessions is not None
+    assert both.backend.whole is not None and both.backend._sessions is not None
     calls = []
-    step = switching.decoder.single.step
-    switching.decoder.single.step = lambda *args: calls.append(len(args[0])) or step(*args)
+    run = switching.backend.whole.run
+    switching.backend.whole.run = lambda plan: calls.append(len(plan.tokens)) or run(plan)
     got = run_traffic(switching)
     assert got == run_traffic(segments)
     assert [len(t) for t in got] == [12, 3, 12]
-    assert switching.decoder._sessions is not None and len(calls) > 12
+    assert switching.backend._sessions is not None and len(calls) > 12
     assert switching.blocks.stats.prefix_hit_rate > 0  # the third request read the first's blocks
 
 
@@ -172,8 +173,8 @@ def test_decodes_of_several_sequences_make_the_tokens_of_the_segments_alone(tiny
     whole = Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=0)
     segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)
     decodes = []
-    step = whole.decoder.single.step
-    whole.decoder.single.step = lambda *args: decodes.append(args[2].num_seqs) or step(*args)
+    run = whole.backend.whole.run
+    whole.backend.whole.run = lambda plan: decodes.append(plan.num_seqs) or run(plan)
     got = run_batch_traffic(whole)
     assert got == run_batch_traffic(segments)
     assert [len(t) for t in got] == [9, 14, 3, 11, 16, 6, 8, 8]
@@ -200,12 +201,13 @@ def test_blocks_rewritten_by_the_segments_are_not_read_from_a_row(tiny_llama_eng
                 step(np.concatenate([b[:19], [7]]), [*range(19), 20], [0, 20], [19, 1]),  # segments: B over A
                 step([b[19], 9], [19, 21], [19, 21], [1, 1])]  # rows again: B must not be A
 
-    whole = Engine(tiny_llama_engine, kv_pool_mb=4).decoder
+    whole = Engine(tiny_llama_engine, kv_pool_mb=4)
     runs = []
-    step = whole.single.step
-    whole.single.step = lambda *args: runs.append(args[2].num_seqs) or step(*args)
-    got = steps(whole)
-    want = steps(Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False).decoder)
+    run = whole.backend.whole.run
+    whole.backend.whole.run = lambda plan: runs.append(plan.num_seqs) or run(plan)
+    got = steps(Stepper(whole.backend, whole.kv))
+    segments = Engine(tiny_llama_engine, kv_pool_mb=4, single_sequence=False)
+    want = steps(Stepper(segments.backend, segments.kv))
     assert runs == [2, 2]
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=0)
@@ -223,15 +225,15 @@ def test_a_flush_gives_the_pool_what_the_segments_would_have_written(tiny_llama_
         for _ in range(14):  # the prompts (one segmented step), then decodes of all three
             engine.step()
     whole, segments = engines
-    single = whole.decoder.single
-    assert (single._stored < single._held).any()  # the decodes are in the rows only
-    single.flush()
+    rows = whole.kv.rows
+    assert (rows._stored < rows._held).any()  # the decodes are in the rows only
+    rows.flush()
     for request in whole.scheduler.running:
         table = whole.blocks.block_table(request.request_id)
         assert table == segments.blocks.block_table(request.request_id)
         positions = request.num_computed
         assert positions > len(request.prompt_ids) + 8
-        got, want = (e.decoder.pool[:, table].transpose(0, 2, 1, 3, 4) for e in engines)
+        got, want = (e.kv.pool[:, table].transpose(0, 2, 1, 3, 4) for e in engines)
         shape = (got.shape[0], got.shape[1], -1, got.shape[-1])  # [parts, kv heads, positions, head dim]
         np.testing.assert_allclose(got.reshape(shape)[:, :, :positions], want.reshape(shape)[:, :, :positions],
                                    atol=1e-4, rtol=0)

@@ -1,0 +1,87 @@
+"""The contract between the engine and a backend, written down once.
+
+A backend runs the steps of one kind of engine file (its manifest's `backend`) on one device.
+The engine (runtime/engine.py) owns everything else: the KV cache (runtime/kv_cache.py: pool,
+blocks, copy-on-write), the scheduler and the step plan (runtime/step_plan.py). A new backend is
+a module with a class that satisfies `Backend`, and one entry in runtime/backends/registry.py;
+nothing outside it asks which backend it is.
+
+The engine calls, in order:
+
+1. ``Backend(engine_file, options)``: load the payload (sessions, a TensorRT engine): the
+   weights are in memory before the pool is sized.
+2. ``placement``: where the KV pool lives (`PoolPlacement`); the engine builds its `KvCache`
+   from it and hands it over with ``attach(kv)``: the backend binds the pool (and, on the CPU,
+   asks the cache for the whole graph's rows).
+3. ``warm_up()``, once, before the first request; ``steps_round_alike()``, at most once.
+4. per step: ``run(plan)`` after the engine applied the plan's block copies; it stores the step's
+   keys and values in the pool at the slots the plan's batch names and returns the logits of
+   ``plan.rows``, [rows, vocab] float32 NumPy on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from llmc.formats.engine_file import EngineFile
+from llmc.runtime.kv_cache import KvCache, allocate_pool
+from llmc.runtime.step_plan import StepPaths, StepPlan
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """How to load an engine's backend.
+
+    Args:
+        threads: CPU threads; None uses every core.
+        single_sequence: run the steps it can take on the engine's whole graph, where it has one.
+        concurrent: requests are expected to overlap (a server, a throughput benchmark): build
+            what a step of several sequences needs at load, not at its first such step.
+    """
+
+    threads: int | None = None
+    single_sequence: bool = True
+    concurrent: bool = False
+
+
+@dataclass(frozen=True)
+class PoolPlacement:
+    """Where a backend's KV pool lives.
+
+    Args:
+        allocate: makes the zeroed pool, given its shape and dtype name.
+        available: bytes of the device's memory free now, which the default pool takes a share
+            of; None: the host's (read when the pool is sized).
+        max_blocks: the most blocks the backend's step can address; None: no limit.
+    """
+
+    allocate: Callable[[tuple[int, ...], str], Any] = allocate_pool
+    available: int | None = None
+    max_blocks: int | None = None
+
+
+class Backend(Protocol):
+    """What the engine needs of a backend (see the module's docstring for the order of calls)."""
+
+    paths: StepPaths
+    placement: PoolPlacement
+
+    def __init__(self, engine: EngineFile, options: BackendOptions) -> None: ...
+
+    def attach(self, kv: KvCache) -> None:
+        """Bind the engine's KV cache: the pool this backend's steps read and write."""
+
+    def warm_up(self) -> None:
+        """Run throw-away steps so the first real ones don't pay for first calls; writes only
+        into pool blocks no request owns."""
+
+    def steps_round_alike(self) -> bool:
+        """Whether a sequence's logits come out bit for bit the same however its tokens are cut
+        into steps (with the padding row, where `paths.padding_row`); decides whether weight-only
+        engines guess by default."""
+
+    def run(self, plan: StepPlan) -> np.ndarray:
+        """Run one step; store its keys and values; return the logits of `plan.rows`."""
