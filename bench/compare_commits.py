@@ -1,4 +1,4 @@
-"""Same-run comparison of two llmc trees on serving_bench's llmc scenarios.
+"""Same-run comparison of two llmc trees on serving_bench's llmc scenarios and latency_bench's decode rates.
 
 Each tree (a directory holding an llmc checkout, or a commit that gets a temporary
 `git worktree`) is imported through a directory of its own that holds one symlink,
@@ -12,6 +12,10 @@ bench/serving_bench.py (the API differs between trees: `Engine.from_file` before
                 the engine's default seats
   offline-32    the same with 32 seats
   interference  run_interference: 16 short requests alone and with one 3,000-token prompt
+  decode-1      latency_bench's batch-1 decode: a 128-token prompt, 128 new tokens, after one
+                unmeasured request; tokens after the first ÷ their time
+  decode-16     latency_bench's static batch: 16 requests of 128 + 128 added at once; tokens made
+                after every request has its first ÷ the time from then to the last
 
 The ONNX model is exported once, with tree B (`--b`); each tree compiles its
 own engine from it (engine formats differ between trees). Prompt ids are drawn from 0-255, not
@@ -24,7 +28,7 @@ worker in a fresh interpreter, so both trees see the same machine conditions; th
 the median over rounds of each figure and the ratio B/A.
 
     python bench/compare_commits.py --a 720e967 [--b HEAD] [--rounds 3] [--quick] [--json] [--threads 2]
-        [--scenarios offline,offline-32,interference]
+        [--scenarios offline,offline-32,interference,decode-1,decode-16]
 
 Progress and the table go to stderr; --json prints one JSON object to stdout.
 """
@@ -61,6 +65,8 @@ METRICS = [
     ("interference", "ttft_ms_p50_with_long", False),
     ("interference", "ttft_ms_p99_with_long", False),
     ("interference", "p99_ratio", False),
+    ("decode-1", "tok_s", True),
+    ("decode-16", "tok_s", True),
 ]
 
 
@@ -96,7 +102,8 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
 
         start = time.perf_counter()
         with contextlib.redirect_stdout(sys.stderr):
-            manifest = compile_model(job["onnx"], job["engine"])
+            built = compile_model(job["onnx"], job["engine"])
+        manifest = getattr(built, "manifest", built)  # a result object, or the manifest itself
         return {"paged": manifest["paged"], "build_s": round(time.perf_counter() - start, 1), "llmc": str(where)}
     import onnxruntime as ort
 
@@ -124,8 +131,37 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     if "interference" in job["scenarios"]:
         shorts, mixed = sb.interference_workloads(scale, job["seed"], special)
         out["interference"] = sb.run_interference(engine, shorts, mixed, threads)
+    for scenario, requests in (("decode-1", 1), ("decode-16", 16)):
+        if scenario in job["scenarios"]:
+            out[scenario] = {"tok_s": _static_batch_rate(engine, requests, threads, job["seed"])}
     out["loadavg_end"] = os.getloadavg()[0]
     return out
+
+
+def _static_batch_rate(path: Path, requests: int, threads: int, seed: int, prompt: int = 128, new: int = 128) -> float:
+    """Decode tokens a second of `requests` requests added at once (after one unmeasured request):
+    the tokens made after every request has its first, over the time from then to the last."""
+    import numpy as np
+
+    from llmc.runtime.engine import Engine
+    from llmc.runtime.sampling_params import SamplingParams
+
+    engine = Engine(path, threads=threads)
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    for batch in (1, requests):  # the warm-up request, then the measured batch
+        pending = {engine.add_request(rng.integers(0, 256, prompt).tolist(), params) for _ in range(batch)}
+        start = None
+        tokens = 0
+        while engine.has_unfinished():
+            outputs = engine.step()
+            if start is None:
+                pending -= {o.request_id for o in outputs}
+                start = time.perf_counter() if not pending else None
+            else:
+                tokens += sum(len(o.new_token_ids) for o in outputs)
+        end = time.perf_counter()
+    return round(tokens / (end - start), 2)
 
 
 def worker_main() -> int:
@@ -220,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", default=str(BENCH_DIR / ".work"), help="checkpoint cache (default bench/.work)")
-    parser.add_argument("--scenarios", default="offline,offline-32,interference",
+    parser.add_argument("--scenarios", default="offline,offline-32,interference,decode-1,decode-16",
                         help="comma-separated subset of offline, offline-32, interference (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     parser.add_argument("--save-json", metavar="PATH")
