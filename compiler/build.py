@@ -1,8 +1,9 @@
 """`llmc compile`: validate a decoder ONNX graph and package it as one engine file.
 
 Stages: load → validate (onnx.checker, strict shape inference) → recognize the decoder interface
-and geometry → optimization pipeline (compiler/pipeline.py) → backend payload → engine file,
-written atomically.
+and geometry → optimization pipeline (compiler/pipeline.py) → precision → paged lowering →
+backend payload → engine file, written atomically. What differs by backend comes from its
+compile target (compiler/targets.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from llmc.formats.engine_file import file_sha256, write_engine
 from llmc.formats.manifest import build_record
 from llmc.formats.onnx_io import is_large, load_onnx, serialize, validate
 from llmc.compiler.paged_engine import PagedOptions, lower, plan_pool
-from llmc.compiler.targets import BACKENDS, find_target  # noqa: F401 (BACKENDS: the valid names, public)
+from llmc.compiler.targets import CompileTarget, find_target
 from llmc.precision.gate import check_accuracy, general_text_windows
 from llmc.precision.linears import linear_layers
 from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
@@ -117,7 +118,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
                          tuple(warnings))
 
 
-def _compile(onnx_path: Path, output: Path, target, tokenizer, level, passes, verify, paged: PagedOptions | None,
+def _compile(onnx_path: Path, output: Path, target: CompileTarget, tokenizer, level, passes, verify, paged: PagedOptions | None,
              precision: PrecisionOptions, tensorrt: TensorRTOptions,
              progress: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
     """(manifest, the TensorRT check or None, whether the engine was written)."""
