@@ -11,6 +11,8 @@ fresh file:
   export_s   trace + write + parity check, median of the repeats (min and max beside it)
   parity     the check's max abs difference between onnxruntime and PyTorch
   nodes      nodes in the written graph
+  optimized  nodes after `llmc optimize`'s default level, and each pass's match count (`fused`):
+             what an exporter's graph gives the passes to fuse
 
 and the two paths' graphs run on the same seeded inputs (`max_abs_between_paths`).
 
@@ -37,6 +39,7 @@ import torch
 import transformers
 
 from llmc.compiler.export import export, model_geometry, sample_inputs
+from llmc.compiler.pipeline import optimize
 from llmc.models import load_checkpoint
 from llmc.models.checkpoint import LoadedModel, read_config
 from llmc.models.transformers_module import load_transformers_checkpoint
@@ -90,6 +93,9 @@ def main() -> None:
                    "load_s": round(load_s, 2), "export_s": round(statistics.median(times), 2),
                    "export_s_range": [round(min(times), 2), round(max(times), 2)],
                    "parity": check.max_abs, "nodes": len(onnx.load(output, load_external_data=False).graph.node)}
+            _, passes = optimize(onnx.load(output))
+            run["optimized"] = passes[-1]["nodes_after"]
+            run["fused"] = {p["pass"]: p["matches"] for p in passes if p["matches"]}
             print(json.dumps(run), file=sys.stderr)
             runs.append(run)
     geometry = model_geometry(load(folder, "table").model)
