@@ -35,6 +35,7 @@ _PUBLIC = {
     "check": ("llmc.precision.check", "check"),
     "ReferenceModel": ("llmc.precision.check", "ReferenceModel"),
     "LLM": ("llmc.llm", "LLM"),
+    "Engine": ("llmc.runtime.engine", "Engine"),
     "Completion": ("llmc.llm", "Completion"),
     "SamplingParams": ("llmc.runtime.sampling_params", "SamplingParams"),
     "LlmcError": ("llmc.errors", "LlmcError"),

@@ -1,4 +1,4 @@
-"""The onnxruntime backend: runs one decoder step of an engine's ONNX payload on the CPU."""
+"""The decoder of --no-paged engines: one onnxruntime session over the contiguous decoder-with-past graph."""
 
 from __future__ import annotations
 
