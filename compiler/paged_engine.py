@@ -6,7 +6,7 @@ blocks (plugins/paged_attention.py) sized here from --kv-pool-mb, or from --max-
 
 What the manifest records is a ceiling, not an allocation. The machine that runs an engine is
 not the one that built it, so the memory budget is applied at load
-(runtime/backends/paged_onnxruntime.py, `pool_blocks`): a pool sized with --kv-pool-mb is kept as
+(runtime/kv_cache.py, `pool_blocks`): a pool sized with --kv-pool-mb is kept as
 asked; the default (room for min(max batch, `POOL_SEQUENCES`) sequences of max_seq_len tokens,
 the most the engine can use well) is capped at half the memory available when the engine
 loads; `Engine(..., kv_pool_mb=...)` overrides both. The runtime maps the pool's pages on first

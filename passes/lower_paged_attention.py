@@ -21,7 +21,7 @@ Packed tokens run as one sequence of batch 1 through every per-token op (embeddi
 projections, rotary with explicit positions); only attention needs to know where sequences
 start, and the paged op knows. Each Attention becomes one ``PagedAttention`` node (domain
 ``llmc``), which each backend implements: the CPU backend runs it between graph segments
-(runtime/backends/paged_onnxruntime.py), TensorRT as a plugin. The attention mask and its
+(runtime/backends/cpu.py), TensorRT as a plugin. The attention mask and its
 subgraph die with the old interface.
 
 Sliding windows: the fused Attention's mask is dropped with the old interface, so a layer's window

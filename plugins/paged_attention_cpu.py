@@ -2,8 +2,8 @@
 for prefill chunks.
 
 onnxruntime has no paged-attention kernel and its pip wheel ships no headers to build a custom
-op against, so the CPU backend runs this between graph segments (runtime/backends/
-paged_onnxruntime.py). A step's sequences go one of two ways:
+op against, so the CPU backend runs this between graph segments (runtime/backends/cpu.py). A
+step's sequences go one of two ways:
 
 - few new tokens (decodes): a Numba kernel, compiled once and cached on disk, reads each
   sequence's keys and values straight from its pool blocks. Its work items are (sequence, kv
