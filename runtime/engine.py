@@ -41,7 +41,7 @@ from llmc.runtime.detokenizer import IncrementalText
 from llmc.runtime.prompt_lookup import PromptLookup
 from llmc.runtime.sampler import is_argmax, sample
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig
+from llmc.runtime.scheduler import Chunk, Request, Scheduler, SchedulerConfig
 from llmc.runtime.step_plan import StepPlan, StepPlanner, packed_plan
 from llmc.tokenizer import Tokenizer
 
@@ -317,7 +317,7 @@ class Engine:
                 outputs.append(self._fail(request, error))
         return outputs
 
-    def _verify(self, index: int, chunk, picks: list[int]) -> list[RequestOutput]:
+    def _verify(self, index: int, chunk: Chunk, picks: list[int]) -> list[RequestOutput]:
         """Keep the guesses greedy decoding picked (`picks`: its token after each of the chunk's
         tokens) and the token it picked after the last of them; the rest of the step's keys and
         values, and their blocks, are dropped. One output per token, up to a stop."""
