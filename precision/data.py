@@ -86,18 +86,7 @@ def _read(path: Path, tokenizer: Tokenizer) -> list:
         raise LlmcError(f"{path}: cannot be read ({str(exc).splitlines()[0][:120]})") from None
     if path.suffix == ".txt":
         return [tokenizer.encode(text)]
-    documents = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LlmcError(f"{path}:{number}: not JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise LlmcError(f"{path}:{number}: expected an object with a \"text\" string")
-        documents.append(tokenizer.encode(record["text"]))
-    return documents
+    return [tokenizer.encode(text) for text in jsonl_strings(text.splitlines(), path, "text")]
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -115,7 +104,13 @@ def read_prompts(path: str | Path) -> list[str]:
         raise LlmcError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x})") from None
     if path.suffix != ".jsonl":
         return [line for line in lines if line.strip()]
-    prompts = []
+    return jsonl_strings(lines, path, "prompt")
+
+
+def jsonl_strings(lines: list[str], path: Path, key: str) -> list[str]:
+    """The string `key` of each JSON object line (blank lines skipped); one line naming the file
+    and line where one is not."""
+    values = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -123,10 +118,10 @@ def read_prompts(path: str | Path) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise LlmcError(f"{path}:{number}: not valid JSON ({e.msg}, column {e.colno})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise LlmcError(f"{path}:{number}: expected an object with a string 'prompt'")
-        prompts.append(record["prompt"])
-    return prompts
+        if not isinstance(record, dict) or not isinstance(record.get(key), str):
+            raise LlmcError(f"{path}:{number}: expected an object with a string '{key}'")
+        values.append(record[key])
+    return values
 
 
 def check_prompt(prompt: str, index: int) -> None:

@@ -83,7 +83,7 @@ def test_bad_input(tiny_llama_onnx, tiny_llama_engine, tmp_path):
     with pytest.raises(LlmcError, match="holds no .txt"):
         check(engine, reference, tmp_path)
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
-    with pytest.raises(LlmcError, match=r"bad.jsonl:2: not JSON"):
+    with pytest.raises(LlmcError, match=r"bad.jsonl:2: not valid JSON"):
         check(engine, reference, tmp_path)
     (tmp_path / "bad.jsonl").unlink()
     np.save(tmp_path / "ids.npy", np.array([1, 2, 99999]))
