@@ -1,14 +1,13 @@
-"""Loading, checking and saving ONNX models safely, at any size, on onnx-ir.
+"""Loading, checking and saving ONNX models safely, at any size.
 
-Saving goes through a temporary folder next to the destination and renames into place, so a
-failed or interrupted save never leaves a file that looks good. Models whose tensors exceed the
-2 GB protobuf limit are written with their weights in one external-data file beside them by
-onnx-ir (`ir.save`), which streams each tensor from where it is.
+Saves go through a temporary folder beside the destination and rename into place, so a failed
+save never leaves a file that looks good. Past the 2 GB protobuf limit, onnx-ir's `ir.save`
+writes the weights to one external-data file beside the model, each from where it is.
 
 A model loaded from a file (`load_onnx`), of any size, never holds its weights: they are
 external-data references (formats/onnx_weights.py), and onnx's checker and shape inference see
-a copy whose weights carry no bytes. Reading inline weights in place and writing them without a
-copy take protobuf's wire format (formats/onnx_wire.py says why onnx-ir does not serve there).
+a copy whose weights carry no bytes. Inline weights are read in place and written without a
+copy at protobuf's wire level (formats/onnx_wire.py says why onnx-ir does not serve there).
 """
 
 from __future__ import annotations
@@ -22,15 +21,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, _get_attribute_tensors, uses_external_data
 
 from llmc.errors import LlmcError, first_line
 from llmc.formats.engine_file import EXTERNAL_ROOT
 from llmc.formats.onnx_weights import (ALIGN, EXTERNAL_MIN_BYTES, engine_weights, external_length, inlined,  # noqa: F401
                                        make_initializer, pin_locations, point_to_file, set_external, set_inline,
-                                       set_location, spill, tensor_array, tensor_bytes, weightless_shell,
-                                       with_weights_of)
+                                       set_location, spill, tensor_array, tensor_bytes, tensor_data,
+                                       weightless_shell, with_weights_of)
 from llmc.formats.onnx_wire import initializer_parts, parse_leaving_inline_weights
 
 # Protobuf cannot serialize a message of 2 GiB or more; stay clear of it with headroom for the graph.
@@ -79,11 +77,6 @@ def is_large(model: onnx.ModelProto) -> bool:
     return total + sum(tensor_bytes(t) for t in model.graph.initializer) > EXTERNAL_DATA_THRESHOLD
 
 
-def _spill_if_external(model: onnx.ModelProto) -> None:
-    if has_external_weights(model):
-        spill(model)
-
-
 def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write `model` to `path` atomically; weights go to `<name>.data` when the model is large
     (and the model then references that file), else inline.
@@ -103,8 +96,8 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
     # go inline, so that no reference is left to a file this save may replace.
     for tensor in _get_attribute_tensors(model):
         if uses_external_data(tensor):
-            set_inline(tensor, ir.serde.deserialize_tensor(tensor).tobytes())
-    _save_ir(ir.serde.deserialize_model(model), path)
+            set_inline(tensor, tensor_data(tensor))
+    _save_ir(model, path)
     data_file = str((path.parent / (path.name + ".data")).resolve())
     written = {t.name: t for t in onnx.load(str(path), load_external_data=False).graph.initializer}
     for tensor in model.graph.initializer:  # its source data file may just have been replaced
@@ -112,7 +105,7 @@ def save_onnx(model: onnx.ModelProto, path: str | os.PathLike) -> None:
             set_external(tensor, data_file, ExternalDataInfo(written[tensor.name]).offset or 0, external_length(tensor))
 
 
-def save_ir_model(model: ir.Model, path: str | os.PathLike) -> None:
+def save_ir_model(model, path: str | os.PathLike) -> None:
     """Write an onnx_ir model (what torch.onnx exports) atomically, like `save_onnx`; past 2 GB
     its tensors go straight to the data file, never all copied into one ModelProto.
 
@@ -120,6 +113,8 @@ def save_ir_model(model: ir.Model, path: str | os.PathLike) -> None:
         model: an `onnx_ir.Model`.
         path: the destination .onnx file.
     """
+    import onnx_ir as ir  # not at the top: formats/onnx_weights.py says why
+
     total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
     if total <= EXTERNAL_DATA_THRESHOLD:
         save_onnx(ir.serde.serialize_model(model), path)
@@ -132,6 +127,8 @@ def save_with_external_data(model: bytes, tensors: Sequence[tuple[onnx.TensorPro
     """Write a serialized ModelProto without weights, with `tensors` (headers and bytes, as
     `save_serialized` takes them) as its initializers in `<name>.data` beside it and `metadata`
     as its metadata_props, atomically; each tensor is written from where its bytes are."""
+    import onnx_ir as ir  # not at the top: formats/onnx_weights.py says why
+
     graph = ir.serde.deserialize_model(onnx.load_from_string(model))
     inputs = {value.name: value for value in graph.graph.inputs}
     for header, data in tensors:
@@ -145,7 +142,11 @@ def save_with_external_data(model: bytes, tensors: Sequence[tuple[onnx.TensorPro
     _save_ir(graph, path)
 
 
-def _save_ir(model: ir.Model, path: Path) -> None:
+def _save_ir(model, path: Path) -> None:
+    """Write an onnx_ir model or a ModelProto (whose weights then become onnx-ir tensors in place)."""
+    import onnx_ir as ir  # not at the top: formats/onnx_weights.py says why
+
+    model = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
     path = Path(path)
     data_name = path.name + ".data"
     with _staging(path) as staging:
@@ -182,7 +183,7 @@ def save_serialized(model: bytes, tensors: Sequence[tuple[onnx.TensorProto, memo
 @contextlib.contextmanager
 def _staging(path: Path):
     """A temporary folder beside `path` to write its files in before they are renamed into place
-    (a reader never sees a partial model); removed afterwards, whatever happened."""
+    (a reader never sees a partial file); removed afterwards, whatever happened."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".llmc-", dir=path.parent))
     try:
@@ -200,15 +201,9 @@ def _publish_inline(staged: Path, path: Path) -> None:
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write a text file through a temporary file and a rename."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with _staging(path) as staging:
+        (staging / path.name).write_text(text)
+        os.replace(staging / path.name, path)
 
 
 def serialize(model: onnx.ModelProto) -> dict[str, bytes]:
@@ -233,14 +228,12 @@ def infer_shapes(model: onnx.ModelProto, **options) -> onnx.ModelProto:
         model: the model; the returned inferred copy holds the same weights.
         options: passed to `onnx.shape_inference.infer_shapes` (e.g. data_prop, strict_mode).
     """
-    _spill_if_external(model)
-    return with_weights_of(model, onnx.shape_inference.infer_shapes(weightless_shell(model), **options))
+    return _on_shell(model, lambda shell: onnx.shape_inference.infer_shapes(shell, **options))
 
 
 def infer_value_info(model: onnx.ModelProto, **options) -> list[onnx.ValueInfoProto]:
-    """The main graph's value_info after onnx shape inference on `weightless_shell(model)` (raises
-    what shape inference raises): on the model itself it would serialize and parse every weight
-    twice (a 25M-parameter model: 1 s a call, 60 ms on the shell).
+    """The main graph's value_info after onnx shape inference (raises what it raises) on
+    `weightless_shell(model)`: on the model, it serializes and parses every weight twice.
 
     Args:
         model: the model; not changed.
@@ -253,8 +246,13 @@ def apply_without_weights(model: onnx.ModelProto, transform: Callable[[onnx.Mode
     """Apply an onnx tool that serializes the model (version conversion) to a model of any size,
     on `weightless_shell(model)`; the result, holding the model's weights, replaces `model`.
     A loaded model's weights are references, so the copy is the graph's structure."""
-    _spill_if_external(model)
-    model.CopyFrom(with_weights_of(model, transform(weightless_shell(model))))
+    model.CopyFrom(_on_shell(model, transform))
+
+
+def _on_shell(model: onnx.ModelProto, transform: Callable[[onnx.ModelProto], onnx.ModelProto]) -> onnx.ModelProto:
+    if has_external_weights(model):  # the result then references the weights, not holds them
+        spill(model)
+    return with_weights_of(model, transform(weightless_shell(model)))
 
 
 def check_model(model: onnx.ModelProto) -> None:

@@ -2,9 +2,14 @@
 
 A model loaded by `onnx_io.load_onnx` holds no weights: each tensor of `EXTERNAL_MIN_BYTES` or more
 is an external-data reference with an absolute `location` (the source's data file, the .onnx
-file itself, an engine file, or this process's scratch file). Values are read through onnx-ir's
-memory-mapped `ExternalTensor`; new big tensors go to the scratch file, never into protobuf
-memory, which upb frees only with the whole message.
+file itself, an engine file, or this process's scratch file). Values are memory-mapped read-only;
+new big tensors go to the scratch file, never into protobuf memory, which upb frees only with the
+whole message.
+
+Tensors of the types NumPy holds as ONNX stores them are read and sized with NumPy alone; onnx-ir
+decodes the rest (bfloat16, float8, packed 4- and 2-bit). It is imported only then: `import
+onnx_ir` imports sympy, 35 MB, a tenth of `llmc compile`'s peak memory on the 1B checkpoint
+(bench/RESULTS.md, "ONNX I/O on onnx-ir"), and a float model is compiled and served without it.
 """
 
 from __future__ import annotations
@@ -16,8 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnx_ir as ir
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
 
 from llmc.errors import LlmcError
@@ -31,6 +35,9 @@ ALIGN = 4096
 # Integer tensors stay inline: shape inference reads their values (shapes, indices).
 SHAPE_DATA_TYPES = (onnx.TensorProto.INT64, onnx.TensorProto.INT32)
 _SHELL_LOCATION = "weightless-shell"
+_NUMPY_TYPES = {t: np.dtype(helper.tensor_dtype_to_np_dtype(t)).newbyteorder("<") for t in (
+    onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BOOL,
+    *(getattr(onnx.TensorProto, f"{sign}INT{bits}") for sign in ("", "U") for bits in (8, 16, 32, 64)))}
 
 
 def pin_locations(model: onnx.ModelProto, folder: Path) -> None:
@@ -47,16 +54,22 @@ def pin_locations(model: onnx.ModelProto, folder: Path) -> None:
 
 def tensor_array(tensor: onnx.TensorProto) -> np.ndarray:
     """The value of a tensor; one in external data (a loaded model's weights) is memory-mapped
-    read-only by onnx-ir, not loaded into the proto (which `numpy_helper.to_array` would do).
+    read-only, not loaded into the proto (which `numpy_helper.to_array` would do).
 
     Args:
         tensor: an initializer or attribute tensor.
     """
     if not uses_external_data(tensor):
         return numpy_helper.to_array(tensor)
-    if not os.path.isabs(ExternalDataInfo(tensor).location):
+    info = ExternalDataInfo(tensor)
+    if not os.path.isabs(info.location):
         raise LlmcError(f"tensor '{tensor.name}': its external data was not loaded")
-    return ir.serde.deserialize_tensor(tensor).numpy()
+    dtype = _NUMPY_TYPES.get(tensor.data_type)
+    if dtype is None or not math.prod(tensor.dims):  # np.memmap cannot map nothing
+        import onnx_ir as ir  # see the module docstring
+
+        return ir.serde.deserialize_tensor(tensor).numpy()
+    return np.memmap(info.location, dtype, "r", info.offset or 0, tuple(tensor.dims))
 
 
 def make_initializer(value: np.ndarray, name: str, *, external: bool) -> onnx.TensorProto:
@@ -73,7 +86,7 @@ def make_initializer(value: np.ndarray, name: str, *, external: bool) -> onnx.Te
     if not external or value.nbytes < EXTERNAL_MIN_BYTES or value.dtype.kind not in "biuf":
         return numpy_helper.from_array(value, name)
     data = np.ascontiguousarray(value, value.dtype.newbyteorder("<"))
-    tensor = onnx.TensorProto(name=name, data_type=onnx.helper.np_dtype_to_tensor_dtype(value.dtype),
+    tensor = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(value.dtype),
                               dims=value.shape)
     with open(_scratch_file(), "ab") as out:
         # The array itself, not `tobytes()`: a merged weight (92 MB on the 1B checkpoint) copied
@@ -91,7 +104,7 @@ def spill(model: onnx.ModelProto) -> int:
             if (uses_external_data(tensor) or tensor.data_type in (onnx.TensorProto.STRING, *SHAPE_DATA_TYPES)
                     or tensor_bytes(tensor) < EXTERNAL_MIN_BYTES):
                 continue
-            data = ir.serde.deserialize_tensor(tensor).tobytes()
+            data = tensor_data(tensor)
             set_external(tensor, str(_scratch_file()), _append_aligned(out, data), len(data))
             moved += len(data)
     return moved
@@ -102,13 +115,31 @@ def tensor_bytes(tensor: onnx.TensorProto) -> int:
     if uses_external_data(tensor):
         return external_length(tensor)
     if tensor.HasField("raw_data") and tensor.data_type != onnx.TensorProto.STRING:
-        return math.ceil(ir.DataType(tensor.data_type).bitwidth * math.prod(tensor.dims) / 8)
+        return _values_bytes(tensor)
     return tensor.ByteSize()
 
 
 def external_length(tensor: onnx.TensorProto) -> int:
     length = ExternalDataInfo(tensor).length
-    return int(length) if length is not None else ir.serde.deserialize_tensor(tensor).nbytes
+    return int(length) if length is not None else _values_bytes(tensor)
+
+
+def _values_bytes(tensor: onnx.TensorProto) -> int:
+    count = math.prod(tensor.dims)
+    if tensor.data_type in _NUMPY_TYPES:
+        return _NUMPY_TYPES[tensor.data_type].itemsize * count
+    import onnx_ir as ir  # see the module docstring
+
+    return math.ceil(ir.DataType(tensor.data_type).bitwidth * count / 8)
+
+
+def tensor_data(tensor: onnx.TensorProto) -> bytes:
+    """A tensor's values as `raw_data` holds them, read from where they are."""
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    import onnx_ir as ir  # typed fields, external data: onnx-ir encodes every type (module docstring)
+
+    return ir.serde.deserialize_tensor(tensor).tobytes()
 
 
 def engine_weights(*models: onnx.ModelProto) -> list[bytes | FileRange]:
@@ -126,7 +157,7 @@ def engine_weights(*models: onnx.ModelProto) -> list[bytes | FileRange]:
                 info = ExternalDataInfo(tensor)
                 data: bytes | FileRange = FileRange(Path(info.location), info.offset or 0, external_length(tensor))
             elif tensor.data_type != onnx.TensorProto.STRING and tensor_bytes(tensor) >= EXTERNAL_MIN_BYTES:
-                data = ir.serde.deserialize_tensor(tensor).tobytes()
+                data = tensor_data(tensor)
             else:
                 continue
             offset = -(-size // ALIGN) * ALIGN
@@ -183,7 +214,7 @@ def inlined(model: onnx.ModelProto) -> onnx.ModelProto:
     inline.CopyFrom(model)
     for tensor in _get_all_tensors(inline):
         if uses_external_data(tensor):
-            set_inline(tensor, ir.serde.deserialize_tensor(tensor).tobytes())
+            set_inline(tensor, tensor_data(tensor))
     return inline
 
 

@@ -4,6 +4,10 @@ These use a lowered threshold to run in milliseconds; tests/compiler/test_large_
 model past the real limit through export, compile and run.
 """
 
+import subprocess
+import sys
+
+import ml_dtypes
 import numpy as np
 import onnx
 import pytest
@@ -63,6 +67,52 @@ def test_checker_still_rejects_a_broken_large_graph(tmp_path, large):
     with pytest.raises(Exception, match="NoSuchOp"):
         onnx_io.check_model(model)
 
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.uint64, np.bool_, ml_dtypes.bfloat16,
+                                   ml_dtypes.float8_e4m3fn, ml_dtypes.int4])
+def test_external_tensors_of_every_type_read_and_size_as_onnx_writes_them(tmp_path, dtype):
+    # NumPy maps the plain types itself, onnx-ir decodes the rest (bfloat16, float8, packed int4):
+    # both against onnx's own writer and reader.
+    values = (np.arange(2400) % 7).astype(dtype).reshape(40, 60)
+    tensor = numpy_helper.from_array(values, "w")
+    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", tensor.data_type, [40, 60])], [tensor])
+    onnx.save_model(helper.make_model(graph), tmp_path / "m.onnx", save_as_external_data=True, location="m.data",
+                    size_threshold=0)
+    loaded = onnx_io.load_onnx(tmp_path / "m.onnx").graph.initializer[0]
+    assert loaded.data_location == TensorProto.EXTERNAL
+    np.testing.assert_array_equal(onnx_io.tensor_array(loaded), numpy_helper.to_array(tensor))
+    assert onnx_io.tensor_array(loaded).dtype == numpy_helper.to_array(tensor).dtype
+    assert onnx_io.tensor_bytes(loaded) == onnx_io.tensor_bytes(tensor) == len(tensor.raw_data)
+    entries = [e for e in loaded.external_data if e.key != "length"]  # optional in ONNX: sized from type and dims
+    del loaded.external_data[:]
+    loaded.external_data.extend(entries)
+    assert onnx_io.external_length(loaded) == len(tensor.raw_data)
+    assert onnx_io.tensor_data(loaded) == tensor.raw_data
+
+
+def test_a_float_model_is_read_checked_and_packed_without_importing_onnx_ir(tmp_path):
+    # `import onnx_ir` imports sympy: 35 MB, a tenth of compiling the 1B checkpoint's peak memory.
+    model = _matmul_model(np.ones((64, 32), np.float32))
+    model.graph.initializer.append(numpy_helper.from_array(np.ones(1024, ml_dtypes.bfloat16), "unused"))
+    onnx.save_model(model, tmp_path / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    script = f"""
+import sys
+import llmc.compiler.build
+from llmc.formats import onnx_io
+model = onnx_io.load_onnx({str(tmp_path / "m.onnx")!r})
+onnx_io.validate(model, {str(tmp_path / "m.onnx")!r})
+weights = onnx_io.tensor_array(model.graph.initializer[0])
+model.graph.initializer.append(onnx_io.make_initializer(2 * weights, "doubled", external=True))
+onnx_io.serialize(model)
+onnx_io.engine_weights(model)
+print(sorted(name for name in ("onnx_ir", "sympy") if name in sys.modules))
+onnx_io.tensor_array(onnx_io.load_onnx({str(tmp_path / "m.onnx")!r}).graph.initializer[1])  # bfloat16: onnx-ir's
+print(sorted(name for name in ("onnx_ir", "sympy") if name in sys.modules))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "['onnx_ir', 'sympy']"]
 
 
 def test_a_loaded_model_references_its_weights_in_its_own_file(tmp_path):
