@@ -13,9 +13,9 @@ bench/serving_bench.py (the API differs between trees: `Engine.from_file` before
   offline-32    the same with 32 seats
   interference  run_interference: 16 short requests alone and with one 3,000-token prompt
   decode-1      latency_bench's batch-1 decode: a 128-token prompt, 128 new tokens, after one
-                unmeasured request; tokens after the first ÷ their time
+                unmeasured request; tokens after the first ÷ their time, median of 5 requests
   decode-16     latency_bench's static batch: 16 requests of 128 + 128 added at once; tokens made
-                after every request has its first ÷ the time from then to the last
+                after every request has its first ÷ the time from then to the last, median of 5
 
 The ONNX model is exported once, with tree B (`--b`); each tree compiles its
 own engine from it (engine formats differ between trees). Prompt ids are drawn from 0-255, not
@@ -138,9 +138,11 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _static_batch_rate(path: Path, requests: int, threads: int, seed: int, prompt: int = 128, new: int = 128) -> float:
+def _static_batch_rate(path: Path, requests: int, threads: int, seed: int, prompt: int = 128, new: int = 128,
+                       batches: int = 5) -> float:
     """Decode tokens a second of `requests` requests added at once (after one unmeasured request):
-    the tokens made after every request has its first, over the time from then to the last."""
+    the tokens made after every request has its first, over the time from then to the last; the
+    median over `batches` such batches (a batch-1 decode of 128 tokens lasts a fraction of a second)."""
     import numpy as np
 
     from llmc.runtime.engine import Engine
@@ -149,7 +151,8 @@ def _static_batch_rate(path: Path, requests: int, threads: int, seed: int, promp
     engine = Engine(path, threads=threads)
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-    for batch in (1, requests):  # the warm-up request, then the measured batch
+    rates = []
+    for batch in [1] + [requests] * batches:  # the warm-up request, then the measured batches
         pending = {engine.add_request(rng.integers(0, 256, prompt).tolist(), params) for _ in range(batch)}
         start = None
         tokens = 0
@@ -160,8 +163,8 @@ def _static_batch_rate(path: Path, requests: int, threads: int, seed: int, promp
                 start = time.perf_counter() if not pending else None
             else:
                 tokens += sum(len(o.new_token_ids) for o in outputs)
-        end = time.perf_counter()
-    return round(tokens / (end - start), 2)
+        rates.append(tokens / (time.perf_counter() - start))
+    return round(statistics.median(rates[1:]), 2)
 
 
 def worker_main() -> int:
