@@ -22,7 +22,7 @@ The engine calls, in order:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -63,6 +63,7 @@ class PoolPlacement:
     max_blocks: int | None = None
 
 
+@runtime_checkable
 class Backend(Protocol):
     """What the engine needs of a backend (see the module's docstring for the order of calls)."""
 
@@ -85,3 +86,9 @@ class Backend(Protocol):
 
     def run(self, plan: StepPlan) -> np.ndarray:
         """Run one step; store its keys and values; return the logits of `plan.rows`."""
+
+
+def missing_members(backend: object) -> list[str]:
+    """The members of `Backend` that `backend` lacks."""
+    return [name for name in ("paths", "placement", "attach", "warm_up", "steps_round_alike", "run")
+            if not hasattr(backend, name)]

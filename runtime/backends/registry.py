@@ -13,7 +13,7 @@ from typing import Callable
 
 from llmc.errors import LlmcError
 from llmc.formats.engine_file import EngineFile
-from llmc.runtime.backends.base import Backend, BackendOptions
+from llmc.runtime.backends.base import Backend, BackendOptions, missing_members
 from llmc.runtime.kv_cache import KvCache
 
 
@@ -69,6 +69,10 @@ def open_backend(engine: EngineFile, options: BackendOptions = BackendOptions(),
                  kv_pool_mb: float | None = None) -> tuple[Backend, KvCache]:
     """The backend of `engine`, loaded, and the KV cache it runs on (the caller owns both)."""
     backend = entry_for(engine).load()(engine, options)
+    missing = missing_members(backend)
+    if missing:
+        raise LlmcError(f"backend '{engine.manifest.backend}': {type(backend).__name__} lacks {', '.join(missing)} "
+                        "(runtime/backends/base.py, Backend)")
     return backend, attach_cache(backend, engine, kv_pool_mb)
 
 

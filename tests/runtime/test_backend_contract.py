@@ -93,8 +93,31 @@ def as_backend(path, name):
 
 
 def test_the_reference_backend_satisfies_the_protocol():
-    backend: Backend = NumpyBackend.__new__(NumpyBackend)  # typed: a mismatch is a type-check error
-    assert all(callable(getattr(backend, name)) for name in ("attach", "warm_up", "steps_round_alike", "run"))
+    assert isinstance(NumpyBackend.__new__(NumpyBackend), Backend)
+
+
+def test_a_backend_lacking_a_member_is_refused_in_one_line(tiny_llama_engine):
+    class NoRun:  # every member but `run`
+        paths, placement = StepPaths(), PoolPlacement()
+
+        def __init__(self, engine, options):
+            pass
+
+        def attach(self, kv):
+            pass
+
+        def warm_up(self):
+            pass
+
+        def steps_round_alike(self):
+            return False
+
+    registry.register(registry.BackendEntry(NAME, NoRun))
+    try:
+        with pytest.raises(LlmcError, match=rf"^backend '{NAME}': NoRun lacks run \(runtime/backends/base.py"):
+            Engine(as_backend(tiny_llama_engine, NAME))
+    finally:
+        registry.unregister(NAME)
 
 
 def test_a_registered_numpy_backend_serves_greedy_tokens_through_the_engine(tiny_llama_engine, numpy_backend):
