@@ -1,4 +1,4 @@
-"""Single-request latency, start-up and build time: llmc against onnxruntime-genai (issue 14).
+"""Single-request latency, start-up and build time: llmc against onnxruntime-genai.
 
 The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench's ModelSpec with
 6 layers and 2,304 positions, random seeded weights), or with `--model smollm2`
@@ -58,7 +58,6 @@ _T0 = time.perf_counter()  # the top of a child process: "load + first token" co
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
-import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
@@ -69,6 +68,9 @@ from typing import Any  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+import record  # noqa: E402
+
 LOW_ID = 260  # random prompt ids start here: past the byte-level tokenizer's and SmolLM2's special ids
 SHORT_PROMPT = 16  # the load + first token prompt
 # llmc's int4 builds: its default (asymmetric blocks, int8 lm_head: the accuracy choices of
@@ -90,7 +92,7 @@ class Sizes:
 
 FULL = Sizes(prompt=128, new_tokens=128, long_prompt=2048, batch=16, reps=3)
 QUICK = Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=2)
-# SmolLM2 decodes ~5x slower: 64 new tokens, as in the issue's table.
+# SmolLM2 decodes ~5x slower: 64 new tokens keep a run's length near the random Llama's.
 FULL_SMOLLM2 = dataclasses.replace(FULL, new_tokens=64)
 TEXT_TOKENS = 128  # new tokens at most per real-text prompt
 
@@ -408,14 +410,13 @@ def _median(values: list) -> float | None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(BENCH_DIR))
-    from optimize_bench import _cpu_name, _git_state, _versions, ensure_checkpoint
+    from optimize_bench import ensure_checkpoint
 
     sizes = QUICK if args.quick else FULL_SMOLLM2 if args.model == "smollm2" else FULL
     reps = args.reps or sizes.reps
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    load_start = os.getloadavg()
-    started = datetime.datetime.now(datetime.timezone.utc)
+    began = record.begin()
     if args.model == "smollm2":
         sys.path.insert(0, str(ROOT / "tests"))
         from smollm2 import smollm2_folder
@@ -496,15 +497,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       "genai": theirs, "ratio": round(mine / theirs, 2) if ok else None, "higher_is_better": False})
     return {
         "benchmark": "latency", "quick": args.quick, "threads": args.threads, "reps": reps,
-        "date": started.isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - _START, 1),
-        "command": " ".join(["python", "bench/latency_bench.py", *sys.argv[1:]]),
         "sizes": dataclasses.asdict(sizes), "model": model, "build_s": built["seconds"],
         "table": table, "runs": runs, "build_errors": built["errors"], "real_text_agreement": agreement,
-        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(),
-                    "loadavg_start": [round(x, 2) for x in load_start],
-                    "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
-        "versions": _versions(), "git": _git_state(),
+        "record": record.finish(began),
     }
 
 
@@ -521,14 +517,14 @@ def _agreement(runs: dict[str, dict[str, list[dict[str, Any]]]], precision: str)
 
 
 def render(result: dict[str, Any]) -> str:
-    model, machine = result["model"], result["machine"]
+    model, machine = result["model"], result["record"]["machine"]
     size = (f"{model['parameters'] / 1e6:.1f}M-parameter Llama ({model['num_layers']} layers, hidden "
             f"{model['hidden_size']}, {model['max_positions']} positions)" if "parameters" in model else model["name"])
     lines = [f"Latency benchmark — {size}, weights {model['weights_mib']} MiB fp32, llmc pool "
              f"{model['llmc_pool_mib']['fp32']} MiB (fp32 engine) / {model['llmc_pool_mib'].get('int4', '-')} MiB (int4); "
              f"{result['threads']} threads each, medians of {result['reps']} runs per system; "
              f"{result['sizes']['prompt']}-token prompts, {result['sizes']['new_tokens']} new tokens",
-             f"load avg {machine['loadavg_start'][0]} → {machine['loadavg_end'][0]} ({machine['cpus']} CPUs, "
+             f"load avg {machine['loadavg_start'][0]} → {machine['loadavg_end'][0]} ({machine['cores']} CPUs, "
              f"{machine['cpu']}); {result['seconds']} s in all"
              + (" — QUICK run, numbers are a smoke test" if result["quick"] else ""), ""]
 
@@ -586,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
-        Path(args.save_json).write_text(text + "\n")
+        record.write_json(args.save_json, result)
     print(render(result), file=sys.stderr)
     if args.json:
         print(text)
