@@ -5,8 +5,7 @@ Each tree (a directory holding an llmc checkout, or a commit that gets a tempora
 `llmc -> <tree>`, put first on PYTHONPATH; the editable install's finder comes after
 PathFinder on sys.meta_path, so that llmc wins, and every worker checks `llmc.__file__`
 resolves inside its tree before it measures anything. Each worker imports its tree's own
-bench/serving_bench.py (the API differs between trees: `Engine.from_file` before issue 13,
-`Engine(path)` after) and runs that file's functions:
+bench/serving_bench.py and runs that file's functions, so each tree is driven through its own API:
 
   offline       run_llmc: N requests (default 64; prompts 16-512, outputs 16-128, all at t=0),
                 the engine's default seats
@@ -19,16 +18,16 @@ bench/serving_bench.py (the API differs between trees: `Engine.from_file` before
 
 The ONNX model is exported once, with tree B (`--b`); each tree compiles its
 own engine from it (engine formats differ between trees). Prompt ids are drawn from 0-255, not
-from the model's 8,192: since issue 13 the Engine refuses prompt ids outside the tokenizer's
-vocabulary (the checkpoint's byte-level tokenizer has 258), and the model's cost does not depend
-on which ids it reads. B is best a commit (the default, HEAD: a temporary worktree) rather than
-a live working tree that others edit: a commit landing between B's compile and its runs once
-made its engine unreadable. Rounds run A, B, A, B, ..., each
+from the model's 8,192: the Engine refuses prompt ids outside the tokenizer's vocabulary (the
+checkpoint's byte-level tokenizer has 258), and the model's cost does not depend on which ids it
+reads. B is best a commit (the default, HEAD: a temporary worktree) rather than a live working
+tree that others edit: a commit landing between B's compile and its runs can change the engine
+format under it. Rounds run A, B, A, B, ..., each
 worker in a fresh interpreter, so both trees see the same machine conditions; the table gives
 the median over rounds of each figure and the ratio B/A.
 
-    python bench/compare_commits.py --a 720e967 [--b HEAD] [--rounds 3] [--quick] [--json] [--threads 2]
-        [--scenarios offline,offline-32,interference,decode-1,decode-16]
+    python bench/compare_commits.py --a 5d1f3e5 [--b HEAD] [--rounds 3] [--quick] [--json] [--threads 2]
+        [--scenarios offline,offline-32,interference,decode-1,decode-16] [--save-json PATH]
 
 Progress and the table go to stderr; --json prints one JSON object to stdout.
 """
@@ -36,7 +35,6 @@ Progress and the table go to stderr; --json prints one JSON object to stdout.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -50,6 +48,8 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 THIS_TREE = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+import record  # noqa: E402
 
 # (scenario, metric, higher is better)
 METRICS = [
@@ -116,7 +116,7 @@ def _worker(job: dict[str, Any]) -> dict[str, Any]:
     scale = sb.QUICK if job["quick"] else dataclasses.replace(sb.FULL, requests=job["requests"])
     tokenizer = byte_level_tokenizer()
     special = {tokenizer.bos_id, tokenizer.eos_id}
-    # serving_bench draws prompt ids from the model's 8,192; since issue 13 the Engine refuses ids
+    # serving_bench draws prompt ids from the model's 8,192; the Engine refuses ids
     # outside the tokenizer's vocabulary (258, byte-level), so both trees get ids below its
     # special tokens (0-255). The model's cost does not depend on which ids it reads.
     sb.SPEC = dataclasses.replace(sb.SPEC, vocab_size=min(special))
@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object to stdout")
     parser.add_argument("--save-json", metavar="PATH")
     args = parser.parse_args(argv)
+    began = record.begin([sys.argv[0], *argv])
 
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -299,14 +300,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"{out['interference']['ttft_ms_p99_with_long']} ms")
         result = {
             "benchmark": "compare_commits",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": " ".join([Path(sys.argv[0]).name, *argv]),
             "quick": args.quick, "rounds": args.rounds, "scenarios": job["scenarios"], "threads": args.threads, "seed": args.seed,
             "trees": {side: {"spec": t.spec, "path": str(t.path), "commit": t.commit, "dirty": t.dirty}
                       for side, t in trees.items()},
             "model_parameters": exported["parameters"], "builds": builds,
             "rows": summarize(runs), "runs": runs,
-            "cpus": os.cpu_count(),
+            "record": record.finish(began),
         }
     finally:
         for tree in trees.values():
@@ -315,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     print(render(result), file=sys.stderr)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
-        Path(args.save_json).write_text(text + "\n")
+        record.write_json(args.save_json, result)
     if args.json:
         print(text)
     return 0

@@ -17,7 +17,7 @@ fresh file:
 and the two paths' graphs run on the same seeded inputs (`max_abs_between_paths`).
 
     python bench/export_paths_bench.py [--layers 8] [--hidden 512] [--repeats 3]
-                                       [--exporters auto,dynamo] [--work-dir DIR]
+                                       [--exporters auto,dynamo] [--work-dir DIR] [--save-json PATH]
 
 Prints one JSON object on stdout; progress on stderr.
 """
@@ -37,6 +37,9 @@ import onnx
 import onnxruntime as ort
 import torch
 import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 from llmc.compiler.export import export, model_geometry, sample_inputs
 from llmc.compiler.pipeline import optimize
@@ -72,7 +75,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--exporters", default="auto,dynamo")
     parser.add_argument("--work-dir", type=Path)
+    parser.add_argument("--save-json", metavar="PATH", help="also write the JSON object to PATH")
     args = parser.parse_args()
+    began = record.begin()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="export-paths-"))
     folder = write_llama(work / "llama", args.layers, args.hidden)
     runs, graphs = [], {}
@@ -106,10 +111,14 @@ def main() -> None:
                   for p in ("table", "transformers")]
         between[exporter] = float(np.max(np.abs(logits[0] - logits[1])))
     weights_mb = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 1e6
-    print(json.dumps({"checkpoint": {"family": "llama", "layers": args.layers, "hidden": args.hidden,
-                                     "weights_mb": round(weights_mb, 1)},
-                      "torch_threads": torch.get_num_threads(), "runs": runs,
-                      "max_abs_between_paths": between}, indent=1))
+    result = {"benchmark": "export-paths",
+              "checkpoint": {"family": "llama", "layers": args.layers, "hidden": args.hidden,
+                             "weights_mb": round(weights_mb, 1)},
+              "torch_threads": torch.get_num_threads(), "runs": runs,
+              "max_abs_between_paths": between, "record": record.finish(began)}
+    if args.save_json:
+        record.write_json(args.save_json, result)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

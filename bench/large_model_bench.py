@@ -13,7 +13,7 @@ memory (max RSS):
   llmc optimize         of that export (default level)
   genai builder         python -m onnxruntime_genai.models.builder -p fp32 -e cpu
 
-    python bench/large_model_bench.py [--json] [--all] [--work-dir DIR] [--steps export,compile,...]
+    python bench/large_model_bench.py [--json] [--save-json PATH] [--all] [--work-dir DIR] [--steps export,compile,...]
 
 Progress goes to stderr; stdout gets the table, or one JSON object with --json.
 """
@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 DEFAULT_WORK_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "llmc-large-bench"
 
@@ -124,6 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=DEFAULT_WORK_DIR)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--save-json", metavar="PATH", help="also write the JSON object to PATH")
     parser.add_argument("--all", action="store_true", help="also compile --weights int4 and --fp16")
     parser.add_argument("--steps", default=None, help="comma-separated subset of the steps")
     parser.add_argument("--torch-export", nargs=2, type=Path, metavar=("CHECKPOINT", "OUTPUT"),
@@ -133,6 +136,7 @@ def main() -> None:
         torch_export(*args.torch_export)
         return
 
+    began = record.begin()
     work = args.work_dir
     checkpoint = ensure_checkpoint(work / "checkpoint")
     llmc = [sys.executable, "-c", "from llmc.cli import main; main()"]
@@ -161,12 +165,13 @@ def main() -> None:
             log_name = name.replace(" ", "_").replace("-", "") + ".log"
             results.append(measured(name, command, work / "logs" / log_name))
     weights_gb = _size_gb(checkpoint / "model.safetensors")
-    report = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                          "python": platform.python_version()},
+    report = {"benchmark": "large-model",
               "checkpoint": {**CONFIG, "weights_gb": weights_gb},
               "onnx_gb": _size_gb(onnx_path, onnx_path.with_name("model.onnx.data")),
               "engine_gb": _size_gb(work / "llmc" / "engine.plan"),
-              "results": results}
+              "results": results, "record": record.finish(began)}
+    if args.save_json:
+        record.write_json(args.save_json, report)
     if args.json:
         print(json.dumps(report, indent=2))
         return

@@ -1,4 +1,4 @@
-"""Precision benchmark (issue 6): accuracy and decode speed of every precision, side by side.
+"""Precision benchmark: accuracy and decode speed of every precision, side by side.
 
 Accuracy on the trained model (data/pystdlib-llama, scripts/train_tiny_model.py): perplexity on
 held-out standard-library text (data/pystdlib-text/heldout) and its increase over the fp32
@@ -13,7 +13,7 @@ weight-only, int4 weight-only; and onnxruntime.quantization's quantize_static (Q
 int8 weights, minmax) and quantize_dynamic (int8 weights) applied to llmc's level-2 graph, then
 compiled with `--level 0` so both go through the same engine path.
 
-`--model smollm2` (issue 12) measures SmolLM2-135M-Instruct (tests/smollm2.py) instead, on real
+`--model smollm2` measures SmolLM2-135M-Instruct (tests/smollm2.py) instead, on real
 text: the held-out standard-library text plus the first 12 kB of the GPL-3 (English prose),
 ~4,000 tokens; calibration as above. Its export is cached in the work folder (delete
 model.export.json to export again). The default pipeline (level 2) runs once, and every variant
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
 import sys
@@ -42,7 +41,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(ROOT / "tests"))  # smollm2.py, the SmolLM2 checkpoint fixture
-from optimize_bench import DEFAULT_WORK_DIR, ModelSpec, _cpu_name, _git_state, _versions, ensure_checkpoint, log  # noqa: E402
+import record  # noqa: E402
+from optimize_bench import DEFAULT_WORK_DIR, ModelSpec, ensure_checkpoint, log  # noqa: E402
 
 from llmc.compiler.build import compile_model, find_tokenizer  # noqa: E402
 from llmc.compiler.export import export  # noqa: E402
@@ -246,11 +246,9 @@ def run_pystdlib_llama(args) -> dict:
     _add_speedups(results)
     return {"benchmark": "precision", "model": "pystdlib-llama", "quick": args.quick, "threads": threads,
             "title": "trained 3.5M Llama, held-out perplexity",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "variants": results, "decode_tok_s_32m": speed32,
             "decode_vs_fp32_32m": {k: round(v / speed32["fp32"], 2) for k, v in speed32.items()} if "fp32" in speed32 else {},
-            "errors": errors, "goals": GOALS, "machine": {"cpu": _cpu_name()}, "versions": _versions(),
-            "git": _git_state()}
+            "errors": errors, "goals": GOALS}
 
 
 def _log_result(name: str, r: dict) -> None:
@@ -344,13 +342,11 @@ def run_smollm2(args) -> dict:
     _add_speedups(results)
     return {"benchmark": "precision", "model": "smollm2", "quick": args.quick, "threads": threads,
             "title": "SmolLM2-135M-Instruct, real text (Python + English)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "data": {"files": ["english.txt: first 12 kB of GPL-3", "python.txt: data/pystdlib-text/heldout"],
                      "max_tokens": check_tokens, "calibration": str(CALIB.relative_to(ROOT))},
             "export": export_entry, "max_seq_len": SMOLLM2_PAGED.max_seq_len,
             "variants_options": {**SMOLLM2_VARIANTS, **{k: {"quantizer": q, **c} for k, (q, c) in SMOLLM2_ORT.items()}},
-            "variants": results, "decode_tok_s_32m": {}, "decode_vs_fp32_32m": {}, "errors": errors,
-            "machine": {"cpu": _cpu_name()}, "versions": _versions(), "git": _git_state()}
+            "variants": results, "decode_tok_s_32m": {}, "decode_vs_fp32_32m": {}, "errors": errors}
 
 
 def render(result: dict) -> str:
@@ -381,9 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR))
     args = parser.parse_args(argv)
+    began = record.begin()
     result = RUNS[args.model](args)
+    result["record"] = record.finish(began)
     if args.save_json:
-        Path(args.save_json).write_text(json.dumps(result, indent=2))
+        record.write_json(args.save_json, result)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 1 if result["errors"] and not result["variants"] else 0
 

@@ -14,7 +14,7 @@ folder). Rows:
   (the down projections left unquantized by a precision config). A form the accuracy gate
   refuses is reported with its gate figure.
 
-    python bench/product_command_bench.py [--max-tokens 4096] [--json]
+    python bench/product_command_bench.py [--max-tokens 4096] [--json] [--save-json PATH]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from types import SimpleNamespace
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # smollm2.py, tensorrt_form.py
-from optimize_bench import DEFAULT_WORK_DIR, _cpu_name, _git_state, _versions, log  # noqa: E402
+import record  # noqa: E402
+from optimize_bench import DEFAULT_WORK_DIR, log  # noqa: E402
 from precision_bench import CALIB, SMOLLM2_WORK, real_text, smollm2_export  # noqa: E402
 from tensorrt_form import TensorRTForm, capture_tensorrt_graph  # noqa: E402
 
@@ -85,7 +86,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens checked")
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR))
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--save-json", metavar="PATH", help="also write the JSON object to PATH")
     args = parser.parse_args()
+    began = record.begin()
     work = Path(args.work_dir).resolve() / SMOLLM2_WORK
     work.mkdir(parents=True, exist_ok=True)
     onnx_path, _ = smollm2_export(work)
@@ -106,7 +109,9 @@ def main() -> None:
             rows.append(tensorrt_row(onnx_path, scratch, form, reference, data, args.max_tokens))
     result = {"benchmark": "product-command", "model": "SmolLM2-135M-Instruct",
               "command": "llmc compile smol.onnx --fp16 --int8-calib data/pystdlib-text/calib [--backend tensorrt --dry-run]",
-              "cpu": _cpu_name(), "git": _git_state(), "versions": _versions(), "rows": rows}
+              "rows": rows, "record": record.finish(began)}
+    if args.save_json:
+        record.write_json(args.save_json, result)
     if args.json:
         print(json.dumps(result, indent=2))
         return

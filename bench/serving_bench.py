@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import shutil
@@ -53,13 +52,14 @@ import numpy as np
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import hf_baseline  # noqa: E402
-from optimize_bench import (DEFAULT_WORK_DIR, ModelSpec, _cpu_name, _git_state, _versions,  # noqa: E402
-                            ensure_checkpoint, log)
+import record  # noqa: E402
+from optimize_bench import DEFAULT_WORK_DIR, ModelSpec, ensure_checkpoint, log  # noqa: E402
 
 from llmc.runtime.bench import BenchRequest, WorkloadSpec, make_workload, run_workload, summarize  # noqa: E402
 
 SPEC = ModelSpec(max_positions=4096)
-# Goals of issue 5.
+# What the serving design is held to: throughput against each baseline, p99 TTFT with a long
+# prompt in flight against alone, and the KV pool's use.
 GOALS = {"vs_hf_static": 3.0, "vs_genai": 2.0, "ttft_interference": 2.0, "kv_utilization": 0.96}
 GROUP = 16  # static batch size of hf-static and genai (the engine runs its default 64 seats)
 # A second, wider setting for both continuous and static batching: llmc with this many seats
@@ -202,7 +202,7 @@ def in_fresh_process(command: list[str], job: dict[str, Any]) -> Any:
     a new interpreter.
 
     Every system gets one: a process that had just exported and compiled ran llmc's offline
-    workload 10-15% slower than a fresh one (bench/RESULTS.md, session 16), and llmc sets
+    workload 10-15% slower than a fresh one, and llmc sets
     OpenMP's wait policy to passive when imported (llmc/__init__.py), which slowed transformers'
     generate by about 12% here: the baselines run with libgomp's defaults."""
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     scale = QUICK if args.quick else dataclasses.replace(FULL, requests=args.requests)
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    load_start = os.getloadavg()
+    began = record.begin()
     checkpoint = work / "hf-llama-32m-4k"
     parameters = ensure_checkpoint(checkpoint, SPEC)
     built = build(checkpoint, work / "serving", work / "genai-cache")
@@ -341,8 +341,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  for name, group in (("genai", GROUP), (f"genai-{WIDE}", WIDE))}
     else:
         errors["genai"] = built["genai_error"]
-    # Rounds in alternating order, each system's median kept: this shared 2-core machine's speed
-    # drifts by 10-30% within minutes (bench/RESULTS.md, session 16).
+    # Rounds in alternating order, each system's median kept: a shared machine's speed drifts
+    # within minutes, and alternating spreads the drift over both systems.
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for round_ in range(args.rounds):
         for name in (list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]):
@@ -377,7 +377,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             systems[f"llmc-{WIDE}"]["throughput_tok_s"] / systems[f"genai-{WIDE}"]["throughput_tok_s"], 2)
     return {
         "benchmark": "serving", "quick": args.quick, "seed": args.seed, "rounds": args.rounds, "threads": args.threads,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {**dataclasses.asdict(SPEC), "parameters": parameters},
         "workload": {"requests": len(workload), "prompt_len": scale.prompt_len, "output_len": scale.output_len,
                      "prompt_tokens": sum(len(r.prompt) for r in workload),
@@ -385,9 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine": {"paged": built["paged"], "build_s": built["llmc_build_s"]},
         "systems": systems, "ratios": ratios, "interference": interference, "errors": errors,
         "goals": GOALS,
-        "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "loadavg_start": load_start,
-                    "loadavg_end": os.getloadavg()},
-        "versions": _versions(), "git": _git_state(),
+        "record": record.finish(began),
     }
 
 
@@ -396,8 +393,8 @@ def render(result: dict[str, Any]) -> str:
     lines = [f"Serving benchmark — {result['model']['parameters'] / 1e6:.1f}M Llama, fp32, {result['threads']} threads, "
              f"{w['requests']} requests (prompts {w['prompt_len'][0]}-{w['prompt_len'][1]}, outputs "
              f"{w['output_len'][0]}-{w['output_len'][1]}; {w['prompt_tokens']} prompt / {w['output_tokens']} "
-             f"output tokens), load avg {result['machine']['loadavg_start'][0]:.2f} → "
-             f"{result['machine']['loadavg_end'][0]:.2f}", ""]
+             f"output tokens), load avg {result['record']['machine']['loadavg_start'][0]:.2f} → "
+             f"{result['record']['machine']['loadavg_end'][0]:.2f}", ""]
     rows = [["system", "useful tok/s", "seconds", "generated", "llmc ×", "rounds (tok/s)"]]
     for name, s in result["systems"].items():
         useful = s.get("output_tokens", s.get("useful_tokens"))
@@ -462,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
-        Path(args.save_json).write_text(text + "\n")
+        record.write_json(args.save_json, result)
     print(text if args.json else render(result))
     log("done")
     return 0
