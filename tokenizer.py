@@ -20,6 +20,8 @@ from llmc.errors import LlmcError, first_line
 
 # Version tag of the string written by `Tokenizer.to_json`, so a later format can be told apart.
 _JSON_FORMAT = "llmc-tokenizer/1"
+# The keys `Tokenizer.to_json` writes, every one of which `from_json` reads.
+_JSON_KEYS = ("tokenizer_json", "bos_id", "eos_id", "eos_ids", "add_bos", "split_special_tokens", "chat_template")
 
 
 class Tokenizer:
@@ -158,22 +160,24 @@ class Tokenizer:
             raise LlmcError(f"{source}: tokenizer JSON is not valid JSON: {e}") from None
         if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
             raise LlmcError(f"{source}: tokenizer JSON is not in the {_JSON_FORMAT!r} format")
-        text = data.get("tokenizer_json")
-        if not isinstance(text, str):  # written before llmc stored it as a string
-            text = json.dumps(data.get("tokenizer"))
+        missing = [key for key in _JSON_KEYS if key not in data]
+        if missing:
+            raise LlmcError(f"{source}: tokenizer JSON has no '{missing[0]}'")
+        if not isinstance(data["tokenizer_json"], str):
+            raise LlmcError(f"{source}: tokenizer JSON's 'tokenizer_json' is not a string")
         try:
-            inner = tokenizers.Tokenizer.from_str(text)
+            inner = tokenizers.Tokenizer.from_str(data["tokenizer_json"])
         except Exception as e:  # tokenizers raises its own Exception subclass
             raise LlmcError(f"{source}: the tokenizer could not be read: {first_line(e)}") from None
         try:
             return cls(
                 inner,
-                bos_id=data.get("bos_id"),
-                eos_id=data.get("eos_id"),
-                eos_ids=data.get("eos_ids") or (),  # absent from JSON written before several EOS ids
-                add_bos=bool(data.get("add_bos", False)),
-                split_special_tokens=bool(data.get("split_special_tokens", False)),
-                chat_template=data.get("chat_template"),  # absent from JSON written before llmc kept it
+                bos_id=data["bos_id"],
+                eos_id=data["eos_id"],
+                eos_ids=data["eos_ids"],
+                add_bos=bool(data["add_bos"]),
+                split_special_tokens=bool(data["split_special_tokens"]),
+                chat_template=data["chat_template"],
             )
         except (LlmcError, TypeError) as e:  # TypeError: eos_ids not a list
             raise LlmcError(f"{source}: {first_line(e)}") from None
