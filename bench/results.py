@@ -1,0 +1,383 @@
+"""bench/RESULTS.md and README.md's results table, generated from the benchmarks' JSON files.
+
+Each benchmark with a headline figure writes one JSON object (`--save-json bench/results/<name>.json`)
+that carries its figures and bench/record.py's record: the command, the machine and its load,
+the commit, the UTC time. This script renders one section per benchmark from those files, so a
+figure in RESULTS.md is always one a command printed; a benchmark without a file gets its
+description and command only. It also fills README.md's block between `<!-- results:begin -->`
+and `<!-- results:end -->` with the headline figures against the peers.
+
+    python bench/results.py            # write bench/RESULTS.md and the README block
+    python bench/results.py --check    # exit 1 if either differs from what the JSON files give
+
+A file missing a field the rendering needs is refused in one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+NOT_RUN = "No result recorded yet: run the command above."
+
+
+class ResultsError(Exception):
+    """A results file that cannot be rendered; the message names the file."""
+
+
+class Result:
+    """One benchmark's JSON object, read with field paths so a missing field names its file."""
+
+    def __init__(self, path: Path, data: Any):
+        if not isinstance(data, dict):
+            raise ResultsError(f"{path}: not a JSON object")
+        self.path, self.data = path, data
+
+    def get(self, *keys: str | int, default: Any = ...) -> Any:
+        value = self.data
+        for key in keys:
+            try:
+                value = value[key]
+            except (KeyError, IndexError, TypeError):
+                if default is not ...:
+                    return default
+                raise ResultsError(f"{self.path}: missing field {'.'.join(map(str, keys))!r}") from None
+        return value
+
+
+def load(path: Path) -> Result:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ResultsError(f"{path}: not readable as JSON ({exc})") from None
+    return Result(path, data)
+
+
+# --- formatting -----------------------------------------------------------------------------
+
+
+def num(value: Any, digits: int = 3) -> str:
+    """A figure as printed in the tables: `-` for none, 3 significant digits below 100."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"
+
+
+def ratio(mine: Any, theirs: Any) -> str:
+    if not isinstance(mine, (int, float)) or not isinstance(theirs, (int, float)) or not theirs:
+        return "-"
+    return f"{mine / theirs:.2f}"
+
+
+def table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
+    """A Markdown table: the first `text_columns` columns left-aligned, the figures right-aligned."""
+    align = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def provenance(result: Result) -> list[str]:
+    """The command, machine, load, commit and time lines every section with figures starts with."""
+    rec = ("record",)
+    machine = result.get(*rec, "machine")
+    load_start, load_end = (result.get(*rec, "machine", key) for key in ("loadavg_start", "loadavg_end"))
+    git = result.get(*rec, "git")
+    commit = result.get(*rec, "git", "commit")
+    first = (lambda load: f"{load[0] if isinstance(load, list) else load:.2f}")
+    started = result.get(*rec, "utc_start", default=None)
+    when = f"{started} to {result.get(*rec, 'utc_end')}" if started else result.get(*rec, "utc_end")
+    memory = machine.get("memory_gib")
+    return ["```bash", result.get(*rec, "command"), "```", "",
+            f"- Machine: {result.get(*rec, 'machine', 'cpu')}, {result.get(*rec, 'machine', 'cores')} cores"
+            + (f", {memory} GiB memory" if memory else "")
+            + f"; 1-minute load average {first(load_start)} at the start, {first(load_end)} at the end",
+            f"- Commit: `{str(commit)[:10]}`" + (" (working tree with uncommitted changes)" if git.get("dirty") else ""),
+            f"- UTC: {when}", ""]
+
+
+# --- one renderer per benchmark --------------------------------------------------------------
+
+
+def render_latency(result: Result) -> list[str]:
+    rows = []
+    for row in result.get("table"):
+        rows.append([row["measure"], num(row.get("llmc")), num(row.get("genai")),
+                     ratio(row.get("llmc"), row.get("genai"))])
+    lines = table(["measure", "llmc", "onnxruntime-genai", "llmc ÷ genai"], rows)
+    for precision, agreement in (result.get("real_text_agreement", default=None) or {}).items():
+        if agreement:
+            lines += ["", f"Real text, {precision}: {agreement['same_as_genai']} of {agreement['prompts']} "
+                          "greedy outputs token for token onnxruntime-genai's."]
+    for what, error in (result.get("build_errors", default=None) or {}).items():
+        lines += ["", f"Build failed: {what}: {error}"]
+    return lines
+
+
+def render_serving(result: Result) -> list[str]:
+    systems = result.get("systems")
+    llmc = systems.get("llmc", {}).get("throughput_tok_s")
+    rows = []
+    for name, system in systems.items():
+        rows.append([name, num(system.get("throughput_tok_s")), num(system.get("ttft_ms_p50")),
+                     num(system.get("ttft_ms_p99")), ratio(llmc, system.get("throughput_tok_s"))])
+    workload = result.get("workload")
+    lines = [f"{workload['requests']} requests, {workload['prompt_tokens']:,} prompt and "
+             f"{workload['output_tokens']:,} output tokens; {result.get('threads')} threads for every system.", ""]
+    lines += table(["system", "useful tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "llmc ÷ system"], rows)
+    interference = result.get("interference", default=None)
+    if interference:
+        lines += ["", f"Interference: the short requests' p99 TTFT is {num(interference['ttft_ms_p99_alone'])} ms alone "
+                      f"and {num(interference['ttft_ms_p99_with_long'])} ms with a {interference['long_prompt']:,}-token "
+                      f"prompt in flight ({num(interference['p99_ratio'])}×)."]
+    for name, message in (result.get("errors", default=None) or {}).items():
+        lines += ["", f"Failed: {name}: {message}"]
+    return lines
+
+
+def render_product_command(result: Result) -> list[str]:
+    rows = []
+    for row in result.get("rows"):
+        if "refused" in row:
+            rows.append([row["row"], "refused by the accuracy gate", "-", "-"])
+        else:
+            rows.append([row["row"], num(row.get("ppl_increase_pct")), num(row.get("top1_agreement")),
+                         num(row.get("gate_ppl_increase_pct"))])
+    return table(["row", "perplexity increase (%)", "top-1 agreement", "gate's perplexity increase (%)"], rows)
+
+
+def render_large_model(result: Result) -> list[str]:
+    weights = result.get("checkpoint", "weights_gb")
+    rows = [[step["step"], num(step.get("seconds")), num(step.get("peak_rss_gb")),
+             ratio(step.get("peak_rss_gb"), weights), str(step.get("exit_code"))] for step in result.get("results")]
+    return [f"Checkpoint: {num(weights)} GB of fp32 weights.", ""] + table(
+        ["step", "wall (s)", "peak RSS (GB)", "peak ÷ weights", "exit"], rows)
+
+
+def render_precision(result: Result) -> list[str]:
+    rows = [[name, num(v.get("engine_ppl"), 4), num(v.get("ppl_increase_pct")), num(v.get("top1_agreement")),
+             num(v.get("decode_tok_s")), num(v.get("decode_vs_fp32")), num(v.get("engine_mb"))]
+            for name, v in result.get("variants").items()]
+    lines = table(["variant", "perplexity", "increase (%)", "top-1", "decode tok/s", "× fp32", "engine MB"], rows)
+    for name, message in (result.get("errors", default=None) or {}).items():
+        lines += ["", f"Failed: {name}: {message}"]
+    return lines
+
+
+def render_export_paths(result: Result) -> list[str]:
+    runs = result.get("runs")
+    peer = {run["exporter"]: run.get("export_s") for run in runs if run["path"] == "transformers"}
+    rows = [[run["path"], run["exporter"], num(run.get("load_s")), num(run.get("export_s")),
+             ratio(run.get("export_s"), peer.get(run["exporter"])), num(run.get("parity")),
+             num(run.get("nodes")), num(run.get("optimized"))] for run in runs]
+    return table(["path", "exporter", "load (s)", "export (s)", "÷ transformers' module", "parity",
+                  "nodes", "after optimize"], rows, text_columns=2)
+
+
+def compare_renderer(scenarios: tuple[str, ...]) -> Callable[[Result], list[str]]:
+    """A compare_commits renderer of the rows of `scenarios` (a file may hold more: the decode
+    rates have a file of their own, measured over more batches)."""
+    def render(result: Result) -> list[str]:
+        trees = result.get("trees")
+        lines = [f"A: `{trees['a']['commit']}`, B: `{trees['b']['commit']}`; {result.get('rounds')} rounds, "
+                 "medians over rounds.", ""]
+        rows = [[row["scenario"], row["metric"], num(row.get("a_median")), num(row.get("b_median")),
+                 num(row.get("ratio_b_over_a")), "higher" if row.get("higher_is_better") else "lower"]
+                for row in result.get("rows") if row.get("scenario") in scenarios]
+        return lines + table(["scenario", "metric", "A", "B", "B ÷ A", "better"], rows, text_columns=2)
+    return render
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    file: str  # in bench/results/
+    title: str
+    about: str  # what it measures, 2-4 lines
+    command: str  # the command that writes `file`
+    render: Callable[[Result], list[str]]
+
+
+BENCHMARKS = [
+    Benchmark("latency_smollm2.json", "Latency, start-up and build: llmc against onnxruntime-genai",
+              "SmolLM2-135M-Instruct built by each system's own tools and run one process at a time, alternating:\n"
+              "batch-1 and static batch-16 decode rates, time to first token, load + first token, resident\n"
+              "memory and build times, in fp32 and int4 weight-only. Medians of 3 runs, 2 threads each.",
+              "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2.json",
+              render_latency),
+    Benchmark("serving.json", "Serving throughput: llmc against onnxruntime-genai and transformers",
+              "A 32M-parameter Llama (random weights) serving 64 requests at once (prompts 16-512 tokens, outputs\n"
+              "16-128): llmc's continuous batching against onnxruntime-genai and transformers' `generate` in static\n"
+              "batches; useful tokens a second, medians of 3 alternating rounds. Also the short requests' p99 TTFT\n"
+              "with a 3,000-token prompt in flight.",
+              "python bench/serving_bench.py --save-json bench/results/serving.json", render_serving),
+    Benchmark("product_command.json", "Accuracy of the product's command on a real model",
+              "`llmc compile model.onnx --fp16 --int8-calib DIR` on SmolLM2-135M-Instruct for the CPU and the\n"
+              "graph TensorRT would receive: perplexity increase and top-1 agreement against the fp32 export on\n"
+              "~4,000 held-out tokens of real text (`llmc check`).",
+              "python bench/product_command_bench.py --save-json bench/results/product_command.json",
+              render_product_command),
+    Benchmark("large_model.json", "A 1B-parameter checkpoint: time and peak memory of each step",
+              "A Llama of TinyLlama-1.1B's shape (random weights, 3.9 GB fp32) through llmc export, compile and\n"
+              "run, torch.onnx's exporter and onnxruntime-genai's builder, each in a process of its own: wall\n"
+              "time and peak resident memory against the weights' size.",
+              "python bench/large_model_bench.py --all --save-json bench/results/large_model.json",
+              render_large_model),
+    Benchmark("precision_smollm2.json", "Precision: accuracy and decode speed of every precision",
+              "SmolLM2-135M-Instruct compiled in each of llmc's precisions and onnxruntime.quantization's:\n"
+              "perplexity and its increase over fp32 on ~4,000 tokens of real text, top-1 agreement, batch-1\n"
+              "decode rate and engine size.",
+              "python bench/precision_bench.py --model smollm2 --save-json bench/results/precision_smollm2.json",
+              render_precision),
+    Benchmark("export_paths.json", "Export: llmc's module against transformers' module",
+              "`llmc export` of one Llama (8 layers, hidden 512) through llmc's own module and through\n"
+              "transformers' module, with each exporter: load and export time, parity with PyTorch, and the\n"
+              "nodes before and after `llmc optimize`.",
+              "python bench/export_paths_bench.py --save-json bench/results/export_paths.json",
+              render_export_paths),
+    Benchmark("compare_commits.json", "The runtime against its base commit: serving scenarios",
+              "serving_bench's llmc scenarios run on two commits in one session, rounds alternating A and B, each\n"
+              "tree compiling its own engine from the same ONNX model: B's change measured against its base\n"
+              "under the same machine conditions.",
+              "python bench/compare_commits.py --a 5d1f3e5 --b HEAD --rounds 3 --scenarios "
+              "offline,offline-32,interference --save-json bench/results/compare_commits.json",
+              compare_renderer(("offline", "offline-32", "interference"))),
+    Benchmark("compare_commits_decode.json", "The runtime against its base commit: decode rates",
+              "latency_bench's batch-1 and static batch-16 decode rates on two commits in one session, each\n"
+              "round's rate the median of 5 batches.",
+              "python bench/compare_commits.py --a 5d1f3e5 --b HEAD --rounds 5 --scenarios decode-1,decode-16 "
+              "--save-json bench/results/compare_commits_decode.json",
+              compare_renderer(("decode-1", "decode-16"))),
+]
+
+
+def render_results(results_dir: Path) -> str:
+    lines = ["# Benchmark results", "",
+             f"Generated by `python bench/results.py` from the JSON files in bench/results/, one per benchmark; "
+             "each section gives the command that wrote its file, the machine and its load, and the commit. "
+             "Ratios compare systems measured in the same run.", ""]
+    for bench in BENCHMARKS:
+        lines += [f"## {bench.title}", "", *bench.about.splitlines(), ""]
+        path = results_dir / bench.file
+        if not path.is_file():
+            lines += ["```bash", bench.command, "```", "", NOT_RUN, ""]
+            continue
+        result = load(path)
+        lines += provenance(result) + bench.render(result) + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --- README's headline table -----------------------------------------------------------------
+
+
+def headline(results_dir: Path) -> list[list[str]]:
+    """Rows of (measure, llmc, onnxruntime-genai, transformers, llmc ÷ genai) present in the files."""
+    rows = []
+
+    def add(measure: str, llmc: Any, genai: Any = None, transformers: Any = None) -> None:
+        if llmc is not None:
+            rows.append([measure, num(llmc), num(genai), num(transformers), ratio(llmc, genai)])
+
+    path = results_dir / "latency_smollm2.json"
+    if path.is_file():
+        result = load(path)
+        entries = {(row["key"], row["precision"]): row for row in result.get("table")}
+        sizes = result.get("sizes")
+        for key, label in (("decode_tok_s", "Decode, batch 1, SmolLM2 fp32 (tok/s)"),
+                           ("batch_decode_tok_s", f"Decode, batch {sizes['batch']}, SmolLM2 fp32 (tok/s)"),
+                           ("ttft_long_ms", f"Time to first token, {sizes['long_prompt']:,}-token prompt, SmolLM2 (ms)"),
+                           ("load_first_token_s", "Start-up: load + first token, SmolLM2 (s)")):
+            row = entries.get((key, "fp32"))
+            if row:
+                add(label, row.get("llmc"), row.get("genai"))
+    path = results_dir / "serving.json"
+    if path.is_file():
+        systems = load(path).get("systems")
+        add("Serving throughput, 64 requests, 32M Llama (tok/s)", systems.get("llmc", {}).get("throughput_tok_s"),
+            systems.get("genai", {}).get("throughput_tok_s"), systems.get("hf-static", {}).get("throughput_tok_s"))
+    path = results_dir / "product_command.json"
+    if path.is_file():
+        cpu = [row for row in load(path).get("rows") if row.get("row") == "cpu"]
+        if cpu:
+            add("Perplexity increase, `llmc compile --fp16 --int8-calib`, SmolLM2 (%)", cpu[0].get("ppl_increase_pct"))
+    return rows
+
+
+def render_readme_block(results_dir: Path) -> str:
+    rows = headline(results_dir)
+    if not rows:
+        body = ["No benchmark results recorded yet: see [bench/RESULTS.md](bench/RESULTS.md)."]
+    else:
+        body = table(["measure", "llmc", "onnxruntime-genai", "transformers", "llmc ÷ genai"], rows)
+        body += ["", "On a CPU with 2 threads per system; commands, machine and commit in "
+                     "[bench/RESULTS.md](bench/RESULTS.md)."]
+    return "\n".join([BEGIN, *body, END])
+
+
+def splice_readme(text: str, block: str, readme: Path) -> str | None:
+    """`text` with the block between the markers replaced, or None when the markers are absent."""
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < 0:
+        return None
+    if end < begin:
+        raise ResultsError(f"{readme}: {END!r} comes before {BEGIN!r}")
+    return text[:begin] + block + text[end + len(END):]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when RESULTS.md or the README block differ from what the JSON files give")
+    parser.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results")
+    parser.add_argument("--output", type=Path, default=BENCH_DIR / "RESULTS.md")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    args = parser.parse_args(argv)
+    try:
+        results = render_results(args.results_dir)
+        block = render_readme_block(args.results_dir)
+        readme_text = args.readme.read_text() if args.readme.is_file() else ""
+        readme = splice_readme(readme_text, block, args.readme)
+    except ResultsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if readme is None:
+        print(f"{args.readme}: no {BEGIN} ... {END} block; its results table is skipped", file=sys.stderr)
+    stale = []
+    if not args.output.is_file() or args.output.read_text() != results:
+        stale.append(str(args.output))
+    if readme is not None and readme != readme_text:
+        stale.append(f"{args.readme} (the block between {BEGIN} and {END})")
+    if args.check:
+        for what in stale:
+            print(f"{what} differs from what bench/results/*.json give: run python bench/results.py",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    if str(args.output) in stale:
+        write_atomic(args.output, results)
+    if readme is not None and readme != readme_text:
+        write_atomic(args.readme, readme)
+    for what in stale:
+        print(f"wrote {what}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""bench/results.py: RESULTS.md and README's results block rendered from the benchmarks' JSON files."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+results = _load("results")
+record = _load("record")
+
+RECORD = {"command": "python bench/latency_bench.py --model smollm2", "utc_start": "2030-01-02T03:04:05+00:00",
+          "utc_end": "2030-01-02T03:34:05+00:00",
+          "machine": {"cpu": "Test CPU 9000", "cores": 2, "memory_gib": 23.5, "loadavg_start": [0.5, 0.4, 0.3],
+                      "loadavg_end": [1.25, 1.0, 0.9]},
+          "git": {"commit": "0123456789abcdef0123456789abcdef01234567", "dirty": True}, "versions": {}}
+LATENCY = {
+    "benchmark": "latency", "sizes": {"batch": 16, "long_prompt": 2048},
+    "table": [
+        {"measure": "decode, batch 1, fp32 (tok/s)", "key": "decode_tok_s", "precision": "fp32",
+         "llmc": 60.0, "genai": 40.0, "ratio": 1.5, "higher_is_better": True},
+        {"measure": "decode, static batch of 16 (tok/s)", "key": "batch_decode_tok_s", "precision": "fp32",
+         "llmc": 440.0, "genai": 550.0, "ratio": 0.8, "higher_is_better": True},
+        {"measure": "load + first token (s)", "key": "load_first_token_s", "precision": "fp32",
+         "llmc": 1.33, "genai": None, "ratio": None, "higher_is_better": False},
+    ],
+    "record": RECORD,
+}
+SERVING = {"benchmark": "serving", "threads": 2,
+           "workload": {"requests": 64, "prompt_tokens": 16000, "output_tokens": 4500},
+           "systems": {"llmc": {"throughput_tok_s": 800.0, "ttft_ms_p50": 2000.0, "ttft_ms_p99": 5000.0},
+                       "genai": {"throughput_tok_s": 400.0},
+                       "hf-static": {"throughput_tok_s": 200.0}},
+           "interference": None, "errors": {}, "record": {**RECORD, "command": "python bench/serving_bench.py"}}
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A results folder with a latency and a serving file, and a README holding the markers."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "latency_smollm2.json").write_text(json.dumps(LATENCY))
+    (folder / "serving.json").write_text(json.dumps(SERVING))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# llmc\n\nintro\n\n{results.BEGIN}\nold table\n{results.END}\n\nafter\n")
+    return folder, tmp_path / "RESULTS.md", readme
+
+
+def run(tree, *extra: str) -> int:
+    folder, output, readme = tree
+    return results.main(["--results-dir", str(folder), "--output", str(output), "--readme", str(readme), *extra])
+
+
+def test_renders_sections_provenance_and_ratios(tree):
+    folder, output, readme = tree
+    assert run(tree) == 0
+    text = output.read_text()
+    latency = text.split("## Latency")[1].split("\n## ")[0]
+    assert "python bench/latency_bench.py --model smollm2" in latency
+    assert "Test CPU 9000, 2 cores, 23.5 GiB memory" in latency
+    assert "load average 0.50 at the start, 1.25 at the end" in latency
+    assert "`0123456789` (working tree with uncommitted changes)" in latency
+    assert "2030-01-02T03:04:05+00:00 to 2030-01-02T03:34:05+00:00" in latency
+    assert "| decode, batch 1, fp32 (tok/s) | 60 | 40 | 1.50 |" in latency
+    assert "| load + first token (s) | 1.33 | - | - |" in latency
+    serving = text.split("## Serving")[1].split("\n## ")[0]
+    assert "| hf-static | 200 | - | - | 4.00 |" in serving
+    # a benchmark without a file: its description and command, no figures
+    product = text.split("## Accuracy of the product's command")[1].split("\n## ")[0]
+    assert "python bench/product_command_bench.py --save-json bench/results/product_command.json" in product
+    assert results.NOT_RUN in product and "|" not in product
+
+
+def test_readme_block_holds_the_headline_figures_only(tree):
+    _, _, readme = tree
+    assert run(tree) == 0
+    text = readme.read_text()
+    assert text.startswith("# llmc\n\nintro\n\n") and text.endswith("\n\nafter\n")
+    block = text[text.index(results.BEGIN):text.index(results.END)]
+    assert "old table" not in block
+    assert "| Decode, batch 1, SmolLM2 fp32 (tok/s) | 60 | 40 | - | 1.50 |" in block
+    assert "| Decode, batch 16, SmolLM2 fp32 (tok/s) | 440 | 550 | - | 0.80 |" in block
+    assert "| Serving throughput, 64 requests, 32M Llama (tok/s) | 800 | 400 | 200 | 2.00 |" in block
+    assert "Perplexity" not in block  # no product-command file: no row
+
+
+def test_check_fails_when_results_or_readme_block_drift(tree, capsys):
+    folder, output, readme = tree
+    assert run(tree, "--check") == 1  # nothing written yet
+    assert run(tree) == 0
+    assert run(tree, "--check") == 0
+    output.write_text(output.read_text().replace("| 60 |", "| 61 |"))
+    assert run(tree, "--check") == 1
+    assert str(output) in capsys.readouterr().err
+    assert run(tree) == 0
+    readme.write_text(readme.read_text().replace("| 800 |", "| 900 |"))
+    assert run(tree, "--check") == 1
+    assert "README.md (the block" in capsys.readouterr().err
+    assert run(tree) == 0
+    changed = copy.deepcopy(LATENCY)
+    changed["table"][0]["llmc"] = 70.0
+    (folder / "latency_smollm2.json").write_text(json.dumps(changed))
+    assert run(tree, "--check") == 1
+
+
+def test_missing_field_is_one_line_naming_the_file(tree, capsys):
+    folder, output, _ = tree
+    broken = copy.deepcopy(SERVING)
+    del broken["record"]["machine"]["cpu"]
+    (folder / "serving.json").write_text(json.dumps(broken))
+    assert run(tree) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {folder / 'serving.json'}: missing field 'record.machine.cpu'"
+    assert not output.exists()  # nothing half-written
+
+
+def test_readme_without_markers_is_skipped_and_said(tree, capsys):
+    _, output, readme = tree
+    readme.write_text("# llmc\n")
+    assert run(tree) == 0
+    assert readme.read_text() == "# llmc\n"
+    assert "no <!-- results:begin -->" in capsys.readouterr().err
+    assert output.is_file()
+
+
+def test_record_carries_command_machine_load_commit_and_time(tmp_path):
+    began = record.begin(["bench/latency_bench.py", "--model", "smollm2"])
+    done = record.finish(began)
+    assert set(record.FIELDS) <= set(done) and set(record.MACHINE_FIELDS) <= set(done["machine"])
+    assert done["command"].endswith("latency_bench.py --model smollm2")
+    assert len(done["git"]["commit"]) == 40 and isinstance(done["git"]["dirty"], bool)
+    target = tmp_path / "out.json"
+    record.write_json(target, {"record": done})
+    assert json.loads(target.read_text())["record"] == json.loads(json.dumps(done))
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary left behind
+
