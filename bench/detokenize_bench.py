@@ -7,17 +7,16 @@ Two measurements:
            ONNX by each tree). the engine's backend step is wrapped so its time is subtracted from each
            `engine.step()`'s wall time: what is left is the engine's Python time per token
            (scheduling, block tables, sampling, detokenization, stop checks). Reported as the mean
-           and median per token in windows of 512 tokens, for this tree and, for contrast, a tree
-           of before issue 13 (`--old`, e.g. 720e967), whose `_emit` decoded the whole output
-           every token. The wrapper also masks the logits to the printable ASCII ids (32-126) of
+           and median per token in windows of 512 tokens, for this tree and, for contrast, another
+           tree (`--old`, e.g. the base commit 5d1f3e5). The wrapper also masks the logits to the printable ASCII ids (32-126) of
            the checkpoint's byte-level tokenizer (258 tokens; the random model's other 8,000 ids
            decode to nothing), so every output token is text; the mask's time counts as the
            decoder's.
   micro    `IncrementalText.add` alone against `tokenizer.decode(all ids)` per token, at output
-           lengths 512 ... 4,096, on the first 4,096 tokens of bench/RESULTS.md, for the byte-level
+           lengths 512 ... 4,096, on the first 4,096 tokens of data/pystdlib-text/heldout, for the byte-level
            tokenizer and (when cached by the tests) SmolLM2's.
 
-    python bench/detokenize_bench.py [--old 720e967|PATH] [--json] [--threads 2] [--skip-engine]
+    python bench/detokenize_bench.py [--old 5d1f3e5|PATH] [--json] [--save-json PATH] [--threads 2] [--skip-engine]
 
 Each tree runs in its own interpreter with `llmc -> tree` first on PYTHONPATH (as in
 compare_commits.py). Progress and tables go to stderr; --json prints one JSON object to stdout.
@@ -26,7 +25,6 @@ compare_commits.py). Progress and tables go to stderr; --json prints one JSON ob
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -40,12 +38,16 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 THIS_TREE = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+import record  # noqa: E402
+
 POSITIONS = 4160
 PROMPT = 16
 OUTPUT = 4096
 WINDOW = 512
 LENGTHS = (512, 1024, 2048, 3072, 4096)
 SMOLLM2 = Path.home() / ".cache" / "llmc-tests" / "SmolLM2-135M-Instruct"
+HELD_OUT = BENCH_DIR.parent / "data" / "pystdlib-text" / "heldout"
 
 
 def log(message: str) -> None:
@@ -94,11 +96,8 @@ def _engine(job: dict[str, Any]) -> dict[str, Any]:
     from llmc.runtime.engine import Engine
     from llmc.runtime.sampling_params import SamplingParams
 
-    if hasattr(Engine, "from_file"):  # before issue 13
-        engine = Engine.from_file(job["engine"], threads=job["threads"])
-    else:
-        engine = Engine(job["engine"], threads=job["threads"])
-    # The step's one entry point: the backend's `run` (or, in older trees, the decoder's `step`).
+    engine = Engine(job["engine"], threads=job["threads"])
+    # The step's one entry point: the backend's `run` (in the base commit 5d1f3e5, the decoder's `step`).
     decoder, method = (engine.backend, "run") if hasattr(engine, "backend") else (engine.decoder, "step")
     inner = getattr(decoder, method)
     spent = [0.0]
@@ -178,7 +177,7 @@ def micro(repeats: int = 5) -> dict[str, Any]:
     from llmc.runtime.detokenizer import IncrementalText
     from llmc.tokenizer import Tokenizer, byte_level_tokenizer
 
-    source = (BENCH_DIR / "RESULTS.md").read_text()
+    source = "".join(path.read_text() for path in sorted(HELD_OUT.glob("*.txt")))
     tokenizers = {"byte-level": byte_level_tokenizer()}
     if (SMOLLM2 / "tokenizer.json").is_file():
         tokenizers["SmolLM2"] = Tokenizer.from_folder(SMOLLM2)
@@ -187,7 +186,7 @@ def micro(repeats: int = 5) -> dict[str, Any]:
         ids = tokenizer.encode(source)
         ids = [t for t in ids if t not in tokenizer.eos_ids and t != tokenizer.bos_id][:max(LENGTHS)]
         if len(ids) < max(LENGTHS):
-            raise RuntimeError(f"{name}: RESULTS.md is {len(ids)} tokens, need {max(LENGTHS)}")
+            raise RuntimeError(f"{name}: {HELD_OUT} is {len(ids)} tokens, need {max(LENGTHS)}")
         rows = []
         # IncrementalText.add: every add timed, best of `repeats` runs per token, then the mean
         # of the 64 tokens ending at each length.
@@ -238,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--worker"]:
         return worker_main()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", help="a tree or commit from before issue 13 to run for contrast (e.g. 720e967)")
+    parser.add_argument("--old", help="a tree or commit to run for contrast (e.g. the base commit 5d1f3e5)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=int, default=OUTPUT, help=f"output tokens (default {OUTPUT})")
     parser.add_argument("--skip-engine", action="store_true", help="only the micro-benchmark")
@@ -246,9 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save-json", metavar="PATH")
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"benchmark": "detokenize", "command": " ".join([Path(sys.argv[0]).name, *argv]),
-                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                              "prompt": PROMPT, "output": args.output, "positions": POSITIONS, "threads": args.threads}
+    began = record.begin([sys.argv[0], *argv])
+    result: dict[str, Any] = {"benchmark": "detokenize", "prompt": PROMPT, "output": args.output, "positions": POSITIONS, "threads": args.threads}
     if not args.skip_engine:
         work = Path(args.work_dir).resolve()
         scratch = Path(tempfile.mkdtemp(prefix="llmc-detok-", dir=work))
@@ -292,10 +290,11 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)  # the engines and the ONNX: ~370 MB a run
     log("micro-benchmark")
     result["micro"] = micro()
+    result["record"] = record.finish(began)
     print(render(result), file=sys.stderr)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
-        Path(args.save_json).write_text(text + "\n")
+        record.write_json(args.save_json, result)
     if args.json:
         print(text)
     return 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `llmc bench` in-process against `llmc bench --url` through `llmc serve`, same engine and workload,
-# alternating rounds (issue 16). Usage: bash bench/http_vs_inprocess.sh ENGINE ROUNDS [llmc bench options]
+# alternating rounds. Usage: bash bench/http_vs_inprocess.sh ENGINE ROUNDS [llmc bench options]
 # Each round uses seed R for both sides: the server's prefix cache never holds a round's prompts.
 set -euo pipefail
 ENGINE=$1; ROUNDS=$2; shift 2

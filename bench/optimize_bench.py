@@ -28,11 +28,9 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import datetime
 import json
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -46,9 +44,13 @@ import onnx
 import onnxruntime as ort
 
 BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+import record  # noqa: E402
+
 DEFAULT_WORK_DIR = BENCH_DIR / ".work"
 AGREEMENT_TOLERANCE = 1e-3
-# Goals of issue 3, on the decode shapes: llmc-O2 against raw and against ort-transformers.
+# What the optimizer is held to on the decode shapes: llmc-O2's speed-up over the raw export and
+# over onnxruntime's transformers optimizer.
 GOALS = {"raw": 1.3, "ort-transformers": 1.1}
 
 
@@ -400,8 +402,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timing = QUICK if args.quick else FULL
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    load_start = os.getloadavg()
-    started = datetime.datetime.now(datetime.timezone.utc)
+    began = record.begin()
 
     parameters = ensure_checkpoint(work / "hf-llama-32m", spec)
     variants = build_variants(work / "hf-llama-32m", spec, work / "models", work / "genai-cache")
@@ -491,15 +492,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "benchmark": "graph-optimization",
-        "date": started.isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - _START, 1),
-        "command": " ".join(["python", "bench/optimize_bench.py", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "cpu": _cpu_name(), "platform": platform.platform(),
-                    "loadavg_start": [round(x, 2) for x in load_start],
-                    "loadavg_end": [round(x, 2) for x in os.getloadavg()],
-                    "loadavg_1min_per_shape": shape_load},
-        "git": _git_state(),
-        "versions": _versions(),
+        "loadavg_1min_per_shape": shape_load,
+        "record": record.finish(began),
         "model": {**dataclasses.asdict(spec), "parameters": parameters},
         "threads": args.threads, "intra_op_spinning": False, "quick": args.quick,
         "timing": dataclasses.asdict(timing),
@@ -519,45 +514,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def _git_state() -> dict[str, Any]:
-    """The commit the benchmark ran on and whether the working tree differed from it."""
-    def git(*command: str) -> str:
-        done = subprocess.run(["git", *command], cwd=BENCH_DIR, capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-
-
-def _versions() -> dict[str, str]:
-    from importlib import metadata
-
-    versions = {}
-    for package in ("onnxruntime", "onnxruntime-genai", "onnx", "torch", "transformers", "llmc"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            versions[package] = metadata.version(package)
-    return versions
-
-
 # --- the report for people ------------------------------------------------------------------
 
 
 def render(result: dict[str, Any]) -> str:
-    model = result["model"]
+    model, record_ = result["model"], result["record"]
     lines = [
         f"Graph optimization benchmark — Llama-style, {model['parameters'] / 1e6:.1f}M params "
         f"({model['num_layers']} layers, hidden {model['hidden_size']}, {model['num_heads']} heads / "
         f"{model['num_kv_heads']} kv heads, vocab {model['vocab_size']}), fp32",
-        f"onnxruntime {result['versions'].get('onnxruntime')} CPU, {result['threads']} intra-op threads "
+        f"onnxruntime {record_['versions'].get('onnxruntime')} CPU, {result['threads']} intra-op threads "
         f"(spinning off), "
-        f"{result['machine']['cpus']} CPUs ({result['machine']['cpu']}), load avg "
-        f"{result['machine']['loadavg_start'][0]} → {result['machine']['loadavg_end'][0]}"
+        f"{record_['machine']['cores']} CPUs ({record_['machine']['cpu']}), load avg "
+        f"{record_['machine']['loadavg_start'][0]} → {record_['machine']['loadavg_end'][0]}"
         + (" — QUICK run, numbers are a smoke test" if result["quick"] else ""),
         "",
     ]
@@ -649,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("onnxruntime").setLevel(logging.WARNING)
     result = run(args)
     if args.save_json:
-        Path(args.save_json).write_text(json.dumps(result, indent=2) + "\n")
+        record.write_json(args.save_json, result)
     print(json.dumps(result, indent=2) if args.json else render(result))
     log("done")
     return 0

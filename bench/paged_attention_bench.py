@@ -1,6 +1,6 @@
-"""Paged-attention benchmark (issue 4): KV memory utilization and CPU attention latency.
+"""Paged-attention benchmark: KV memory utilization and CPU attention latency.
 
-    python bench/paged_attention_bench.py [--json] [--quick]
+    python bench/paged_attention_bench.py [--json] [--quick] [--save-json PATH]
 
 1. Utilization: cached token slots in use ÷ slots allocated, on a mix of prompt and output
    lengths, for paged blocks of several sizes against contiguous max-length allocation (what a
@@ -18,10 +18,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 from llmc.plugins.paged_attention import PagedBatch, plan_step
 from llmc.plugins.paged_attention_cpu import CpuPagedAttention
@@ -120,13 +124,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="few rounds, two contexts (smoke run)")
+    parser.add_argument("--save-json", metavar="PATH", help="also write the JSON object to PATH")
     args = parser.parse_args()
+    began = record.begin()
     rng = np.random.default_rng(0)
     contexts = (128, 1024) if args.quick else (128, 512, 1024, 2048, 4096)
     result = {"utilization": utilization(rng),
               "latency": latency(rng, (1, 16), contexts, 5 if args.quick else 60),
               "setup": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "threads": 2,
                         "onnxruntime": ort.__version__}}
+    result = {"benchmark": "paged-attention", "quick": args.quick, **result, "record": record.finish(began)}
+    if args.save_json:
+        record.write_json(args.save_json, result)
     if args.json:
         print(json.dumps(result, indent=2))
         return

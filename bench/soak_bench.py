@@ -7,7 +7,7 @@ is sampled every 500 finished requests. After a warm-up of 1,000 requests the en
 sessions and caches have their steady size: RSS should stay flat from there, and any growth is a
 leak per request (an entry left in a dict, a cache without a bound).
 
-    python bench/soak_bench.py [--requests 10000] [--in-flight 32] [--threads 2] [--json]
+    python bench/soak_bench.py [--requests 10000] [--in-flight 32] [--threads 2] [--json] [--save-json PATH]
                                [--tracemalloc] [--work-dir DIR]
 
 The table goes to stderr; with --json, stdout gets one JSON object. --tracemalloc also prints the
@@ -17,7 +17,6 @@ Python allocations that grew most between the warm-up and the end (slow: for hun
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import random
 import sys
@@ -25,6 +24,9 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record  # noqa: E402
 
 from llmc.compiler.build import compile_model
 from llmc.compiler.export import export
@@ -114,11 +116,13 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="backend threads (default: every core)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--save-json", metavar="PATH", help="also write the JSON object to PATH")
     parser.add_argument("--tracemalloc", action="store_true", help="top Python allocation growth after warm-up")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the exported model here")
     args = parser.parse_args()
     if args.requests <= WARM_UP:
         parser.error(f"--requests must exceed the warm-up of {WARM_UP}")
+    began = record.begin()
 
     with tempfile.TemporaryDirectory() as scratch:
         work_dir = args.work_dir or Path(scratch)
@@ -127,7 +131,9 @@ def main() -> None:
         plan = build_engine(work_dir)
         log(f"soak: {args.requests} requests, {args.in_flight} in flight")
         result = soak(plan, args.requests, args.in_flight, args.threads, args.tracemalloc)
-    result["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    result = {"benchmark": "soak", **result, "record": record.finish(began)}
+    if args.save_json:
+        record.write_json(args.save_json, result)
 
     log(f"\n{'requests':>9} {'RSS MiB':>9}")
     for done, rss in result["samples"]:
