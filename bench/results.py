@@ -106,7 +106,8 @@ def provenance(result: Result) -> list[str]:
             + (f", {memory} GiB memory" if memory else "")
             + f"; 1-minute load average {first(load_start)} at the start, {first(load_end)} at the end",
             f"- Commit: `{str(commit)[:10]}`" + (" (working tree with uncommitted changes)" if git.get("dirty") else ""),
-            f"- UTC: {when}", ""]
+            f"- UTC: {when}", ""] + (
+        ["A quick run (`--quick`): smoke-test sizes, not a measurement.", ""] if result.get("quick", default=False) else [])
 
 
 # --- one renderer per benchmark --------------------------------------------------------------
@@ -201,6 +202,55 @@ def compare_renderer(scenarios: tuple[str, ...]) -> Callable[[Result], list[str]
     return render
 
 
+def render_optimize(result: Result) -> list[str]:
+    latency = result.get("latency")
+    shapes = list(next(iter(latency.values()), {}))
+    versus = result.get("llmc_speedup", default=None) or {}
+    header = ["variant"] + [f"{shape} (ms)" for shape in shapes] + [f"{shape}: ÷ llmc-O2" for shape in shapes]
+    rows = [[name] + [num(per[shape]["median_ms"]) for shape in shapes]
+            + [num(versus.get(name, {}).get(shape)) if name != "llmc-O2" else "1" for shape in shapes]
+            for name, per in latency.items()]
+    return ["Median latency per call; a variant's time ÷ llmc-O2's (above 1: llmc-O2 is faster).", ""] + table(header, rows)
+
+
+def render_paged_attention(result: Result) -> list[str]:
+    use = result.get("utilization")
+    blocks = sorted(int(key.rsplit("_", 1)[1]) for key in use if key.startswith("paged_block_"))
+    lines = [f"KV slots in use ÷ allocated over {use['requests']} requests:", ""]
+    lines += table(["allocation", "utilization"], [["contiguous, max length", num(use["contiguous_max_len"])]]
+                   + [[f"paged, block {block}", num(use[f"paged_block_{block}"])] for block in blocks])
+    rows = result.get("latency")
+    names = [key[:-3] for key in rows[0] if key.endswith("_us")] if rows else []
+    lines += ["", "One decode token's attention (µs, median); ratio against dense Attention over a contiguous cache:", ""]
+    lines += table(["batch", "context"] + names + [f"{name} ÷ dense" for name in names if name != "dense"],
+                   [[str(row["batch"]), str(row["context"])] + [num(row[f"{name}_us"]) for name in names]
+                    + [ratio(row[f"{name}_us"], row["dense_us"]) for name in names if name != "dense"] for row in rows],
+                   text_columns=0)
+    return lines
+
+
+def render_soak(result: Result) -> list[str]:
+    return table(["requests", "req/s", "RSS after warm-up (MiB)", "RSS at the end (MiB)", "growth (%)", "preemptions"],
+                 [[num(result.get("requests")), num(result.get("requests_per_s")), num(result.get("rss_warm_up_mib")),
+                   num(result.get("rss_end_mib")), num(result.get("growth_pct")), num(result.get("preemptions"))]],
+                 text_columns=0)
+
+
+def render_detokenize(result: Result) -> list[str]:
+    lines = []
+    engine = result.get("engine", default=None) or {}
+    if engine:
+        lines += table(["tree", "commit", "Python ms/token, last 512 ÷ first 512 (mean)"],
+                       [[side, f"`{run.get('commit', '-')}`", num(run.get("last_over_first_mean"))]
+                        for side, run in engine.items()], text_columns=2) + [""]
+    for name, rows in result.get("micro").items():
+        lines += [f"{name} tokenizer, per token:", ""]
+        lines += table(["output length", "incremental add (µs)", "full decode (µs)", "full ÷ incremental"],
+                       [[str(row["length"]), num(row["incremental_add_us"]), num(row["full_decode_us"]),
+                         num(row["full_over_incremental"])] for row in rows], text_columns=0) + [""]
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
 @dataclasses.dataclass(frozen=True)
 class Benchmark:
     file: str  # in bench/results/
@@ -233,7 +283,7 @@ BENCHMARKS = [
               "A Llama of TinyLlama-1.1B's shape (random weights, 3.9 GB fp32) through llmc export, compile and\n"
               "run, torch.onnx's exporter and onnxruntime-genai's builder, each in a process of its own: wall\n"
               "time and peak resident memory against the weights' size.",
-              "python bench/large_model_bench.py --all --save-json bench/results/large_model.json",
+              "python bench/large_model_bench.py --save-json bench/results/large_model.json",
               render_large_model),
     Benchmark("precision_smollm2.json", "Precision: accuracy and decode speed of every precision",
               "SmolLM2-135M-Instruct compiled in each of llmc's precisions and onnxruntime.quantization's:\n"
@@ -247,6 +297,26 @@ BENCHMARKS = [
               "nodes before and after `llmc optimize`.",
               "python bench/export_paths_bench.py --save-json bench/results/export_paths.json",
               render_export_paths),
+    Benchmark("optimize.json", "Graph optimization: llmc optimize against the raw export and onnxruntime's optimizers",
+              "A 32M-parameter Llama (random weights) exported once and run by onnxruntime in five forms: the raw\n"
+              "export, onnxruntime's session optimizer, onnxruntime.transformers' optimizer, `llmc optimize --level\n"
+              "2`, and onnxruntime-genai's builder; latency per call on prefill and decode shapes.",
+              "python bench/optimize_bench.py --save-json bench/results/optimize.json", render_optimize),
+    Benchmark("paged_attention.json", "Paged attention: KV memory use and attention latency",
+              "KV slots in use over slots allocated for paged blocks of several sizes against contiguous\n"
+              "max-length allocation, and one decode token's attention against a cached context of 128-4,096\n"
+              "tokens: the CPU backend's kernel and the op's ONNX form against dense attention.",
+              "python bench/paged_attention_bench.py --save-json bench/results/paged_attention.json",
+              render_paged_attention),
+    Benchmark("soak.json", "Soak: resident memory over 10,000 requests",
+              "10,000 short requests through one Engine, 32 in flight; resident memory sampled every 500:\n"
+              "after the warm-up it should stay flat, and growth is a leak per request.",
+              "python bench/soak_bench.py --save-json bench/results/soak.json", render_soak),
+    Benchmark("detokenize.json", "Detokenization: Python time per token over a long output",
+              "One 4,096-token output through the Engine: the engine's Python time per token (the backend's\n"
+              "step subtracted) in the last 512 tokens against the first, and incremental detokenization against\n"
+              "decoding the whole output each token.",
+              "python bench/detokenize_bench.py --save-json bench/results/detokenize.json", render_detokenize),
     Benchmark("compare_commits.json", "The runtime against its base commit: serving scenarios",
               "serving_bench's llmc scenarios run on two commits in one session, rounds alternating A and B, each\n"
               "tree compiling its own engine from the same ONNX model: B's change measured against its base\n"
