@@ -262,8 +262,8 @@ def session_options(level: ort.GraphOptimizationLevel, threads: int) -> ort.Sess
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
     # Idle intra-op threads spin by default. Five sessions in one process, run in turn, would
-    # then each find the 2 cores busy with the previous session's spinning pool: measured here,
-    # that inflates a decode step 2-3x (3.4 ms alone, 11 ms interleaved) and swamps the graphs'
+    # then each find the 2 cores busy with the previous session's spinning pool: with 2 threads
+    # on 2 cores that inflates a decode step 2-3x (3.4 ms alone, 11 ms interleaved) and swamps the graphs'
     # differences. Without spinning, interleaved and alone agree within the noise.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
