@@ -149,3 +149,9 @@ def test_record_carries_command_machine_load_commit_and_time(tmp_path):
     assert json.loads(target.read_text())["record"] == json.loads(json.dumps(done))
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary left behind
 
+
+def test_a_file_no_section_renders_is_refused(tree, capsys):
+    folder, _, _ = tree
+    (folder / "latency.json").write_text(json.dumps(LATENCY))
+    assert run(tree) == 2
+    assert capsys.readouterr().err.startswith(f"error: {folder / 'latency.json'}: no section renders this file")
