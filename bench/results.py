@@ -350,7 +350,11 @@ def render_results(results_dir: Path) -> str:
             lines += ["```bash", bench.command, "```", "", NOT_RUN, ""]
             continue
         result = load(path)
-        lines += provenance(result) + bench.render(result) + [""]
+        try:
+            lines += provenance(result) + bench.render(result) + [""]
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            # a field read inside a table's rows: the file's structure, not this script, is at fault
+            raise ResultsError(f"{path}: missing or malformed field ({type(exc).__name__}: {exc})") from None
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -155,3 +155,14 @@ def test_a_file_no_section_renders_is_refused(tree, capsys):
     (folder / "latency.json").write_text(json.dumps(LATENCY))
     assert run(tree) == 2
     assert capsys.readouterr().err.startswith(f"error: {folder / 'latency.json'}: no section renders this file")
+
+
+def test_a_malformed_row_names_the_file(tree, capsys):
+    folder, _, _ = tree
+    broken = copy.deepcopy(LATENCY)
+    del broken["table"][1]["measure"]
+    (folder / "latency_smollm2.json").write_text(json.dumps(broken))
+    assert run(tree) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {folder / 'latency_smollm2.json'}: missing or malformed field") and "measure" in err
+    assert "\n" not in err
