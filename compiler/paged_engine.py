@@ -53,7 +53,7 @@ class PagedOptions:
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
-    # Measured (bench/RESULTS.md, serving): 64 seats served the 64-request workload 15-20% faster
+    # Measured (bench/serving_bench.py): 64 seats served its 64-request workload 15-20% faster
     # than 16, in the same pool.
     max_batch: int = 64
     max_seq_len: int | None = None
@@ -122,7 +122,7 @@ def single_sequence_graph(model: onnx.ModelProto, interface: DecoderInterface, o
     rounds keys and values to it), or windows on every layer (the block manager then frees
     blocks behind them, which the buffer would still hold); or where the lowering refuses the
     graph (a node other than attention reading the past): the engine then runs every step on its
-    segments, as engines did before it had this graph."""
+    segments."""
     kv_dtype = options.kv_dtype or interface.dtype
     if interface.dtype != "float32" or kv_dtype != "float32" or reusable_window(interface.windows) is not None:
         return None

@@ -84,7 +84,7 @@ def split_at_paged_attention(model: onnx.ModelProto) -> list[tuple[onnx.ModelPro
             members.setdefault(at, []).append(node)
             stage.update(dict.fromkeys(node.output, at))
     if not attentions:
-        raise LlmcError("paged engine: no PagedAttention node; it was built by an older llmc — recompile it")
+        raise LlmcError("paged engine: the graph has no PagedAttention node to cut at")
     _move_constants_to_their_readers(graph, members)
 
     count = len(attentions) + 1
@@ -113,7 +113,8 @@ def split_at_paged_attention(model: onnx.ModelProto) -> list[tuple[onnx.ModelPro
                 opset_imports=[o for o in model.opset_import if o.domain != DOMAIN], ir_version=model.ir_version)
         node = attentions.get(k)
         attention = node and AttentionCall(tuple(node.input), node.output[0], attr(node, "scale"),
-                                           attr(node, "window", 0), attr(node, "softcap", 0.0))
+                                           attr(node, "window", 0), attr(node, "softcap", 0.0),
+                                           dense=None)  # named by `dense_attention_sections`
         segments.append((sub, Segment(None, tuple(inputs), tuple(outputs), attention)))
     return segments
 

@@ -135,7 +135,7 @@ class TensorRTTarget(CompileTarget):
     def payload(self, model, single, paged, geometry, network, manifest, options, progress):
         from llmc.compiler.tensorrt_build import build_engine
 
-        paged["segments"] = []  # one TensorRT engine runs the whole graph
+        paged["segments"], paged["single_sequence"] = [], None  # one TensorRT engine runs every step
         engine, manifest["tensorrt"] = build_engine(model, network["profile"], options, progress)
         return {"engine.trt": engine}
 

@@ -206,14 +206,14 @@ def _chunks(data: Payload):
                 yield chunk
 
 
-def bind_weights(graph: bytes | memoryview, data: FileRange) -> bytes | None:
+def bind_weights(graph: bytes | memoryview, data: FileRange) -> bytes:
     """A serialized graph whose weight references (written with `WEIGHTS_LOCATION`) name
-    `data`'s file, at offsets shifted by `data.offset`; None when it has no such references (a
-    graph written otherwise, e.g. by an earlier llmc)."""
+    `data`'s file, at offsets shifted by `data.offset`; unchanged when it references none (every
+    weight under `onnx_weights.EXTERNAL_MIN_BYTES` stays inline)."""
     graph = bytes(graph)
     references = graph.count(_LOCATION_ENTRY)
     if not references:
-        return None
+        return graph
     name = data.path.name.encode()
     spare = len(WEIGHTS_LOCATION) - len(name)
     if spare < 2:

@@ -6,10 +6,10 @@ objects; a wrong field is one error naming it (``paged.num_blocks: expected an i
 report, build options) are checked only for their kind (object, list).
 
 Format versions: the file header carries `FORMAT_VERSION`, bumped whenever the manifest or the
-sections change meaning. Version 2 stores a paged engine as segments cut at compile time (the
-runtime needs no compiler to serve it) and names every field the runtime reads, without
-defaults for older engines. Engines of version 1 are refused with a message to recompile: they
-lack the segments, and cutting them at load would put the compiler back in the runtime.
+sections change meaning; a file of any other version is refused in one line that says to
+recompile it. A paged engine stores its segments and their attentions' dense forms cut and built
+at compile time, so the runtime serves it without the compiler or onnx, and the manifest names
+every field the runtime reads.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ class AttentionCall:
     window: int  # sliding window, 0 for full attention
     softcap: float  # score soft-capping, 0.0 for none
     # The section holding this call's dense form (plugins/paged_attention_onnx.py), which the CPU
-    # runtime runs for prefill chunks; None in engines compiled before llmc stored it (the
-    # runtime then builds it, importing onnx).
-    dense: str | None = None
+    # runtime runs for prefill chunks. Every engine names one (`parse_manifest` checks); None only
+    # inside the compiler, between cutting the segments and storing the dense forms.
+    dense: str | None
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,9 @@ class PagedLayout:
     window: int | None  # positions every layer reads back, when every layer has a window
     segments: tuple[Segment, ...]
     # The section of the whole graph for steps of one sequence (passes/lower_single_sequence.py);
-    # None where the engine has none (older engines, float16 pools).
-    single_sequence: str | None = None
+    # None where the engine has none (compiler/paged_engine.py `single_sequence_graph` says
+    # when; a TensorRT engine runs every step on its one engine).
+    single_sequence: str | None
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,10 @@ def parse_manifest(data: Any, where: str) -> Manifest:
     elif manifest.paged is None:
         payload = ["model.onnx"]
     else:
+        for k, segment in enumerate(manifest.paged.segments):
+            if segment.attention is not None and segment.attention.dense is None:
+                raise LlmcError(f"{where}: manifest field 'paged.segments[{k}].attention.dense' is missing (the "
+                                f"attention's dense form)")
         payload = [name for s in manifest.paged.segments for name in (s.section, s.attention and s.attention.dense) if name]
         payload += [manifest.paged.single_sequence] if manifest.paged.single_sequence else []
     missing = [name for name in ["tokenizer.json", *payload] if name not in names]

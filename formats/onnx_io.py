@@ -26,7 +26,7 @@ from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, _get_a
 from llmc.errors import LlmcError, first_line
 from llmc.formats.engine_file import EXTERNAL_ROOT
 from llmc.formats.onnx_weights import (ALIGN, EXTERNAL_MIN_BYTES, engine_weights, external_length, inlined,  # noqa: F401
-                                       make_initializer, pin_locations, point_to_file, set_external, set_inline,
+                                       make_initializer, pin_locations, set_external, set_inline,
                                        set_location, spill, tensor_array, tensor_bytes, tensor_data,
                                        weightless_shell, with_weights_of)
 from llmc.formats.onnx_wire import initializer_parts, parse_leaving_inline_weights

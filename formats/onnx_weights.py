@@ -9,7 +9,7 @@ whole message.
 Tensors of the types NumPy holds as ONNX stores them are read and sized with NumPy alone; onnx-ir
 decodes the rest (bfloat16, float8, packed 4- and 2-bit). It is imported only then: `import
 onnx_ir` imports sympy, 35 MB, a tenth of `llmc compile`'s peak memory on the 1B checkpoint
-(bench/RESULTS.md, "ONNX I/O on onnx-ir"), and a float model is compiled and served without it.
+(bench/large_model_bench.py), and a float model is compiled and served without it.
 """
 
 from __future__ import annotations
@@ -169,17 +169,6 @@ def engine_weights(*models: onnx.ModelProto) -> list[bytes | FileRange]:
             placed[tensor.name] = (offset, size - offset)
         set_external(tensor, WEIGHTS_LOCATION, *placed[tensor.name], engine=True)
     return parts
-
-
-def point_to_file(graph: bytes, data: FileRange) -> bytes:
-    """A serialized graph whose "model.onnx.data" references now name `data`'s file (by its
-    base name: onnxruntime resolves it in that folder), at offsets shifted by `data.offset`."""
-    model = onnx.load_from_string(bytes(graph))
-    for tensor in _get_all_tensors(model):
-        if uses_external_data(tensor):
-            offset = (ExternalDataInfo(tensor).offset or 0) + data.offset
-            set_external(tensor, data.path.name, offset, external_length(tensor))
-    return model.SerializeToString()
 
 
 def set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int, *, engine: bool = False) -> None:

@@ -80,12 +80,7 @@ def open_session(files: dict, options: ort.SessionOptions) -> ort.InferenceSessi
     graph, data = files["model.onnx"], files.get("model.onnx.data")
     folder = EXTERNAL_ROOT
     if isinstance(data, FileRange):
-        bound = bind_weights(graph, data)
-        if bound is None:  # an engine written before WEIGHTS_LOCATION
-            from llmc.formats.onnx_io import point_to_file  # imports onnx
-
-            bound = point_to_file(graph, data)
-        graph, folder = bound, str(data.path.resolve().parent)
+        graph, folder = bind_weights(graph, data), str(data.path.resolve().parent)
     key = "session.model_external_initializers_file_folder_path"
     if _config_entry(options, key) != folder:
         options.add_session_config_entry(key, folder)

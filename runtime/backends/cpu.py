@@ -90,7 +90,7 @@ class CpuBackend:
             engine, geometry = self._engine, self.geometry
             # First: it loads the attention kernel in a thread while the sessions are built.
             dense_models = {(s.attention.scale, s.attention.softcap): engine.sections[s.attention.dense]
-                            for s in self.segments if s.attention is not None and s.attention.dense}
+                            for s in self.segments if s.attention is not None}
             self._attention = CpuPagedAttention(geometry.num_heads, geometry.num_kv_heads, geometry.head_dim,
                                                 self.block_size, self._threads, self._kv_dtype, dense_models)
             self._sessions = [segment.section and self._open(segment.section) for segment in self.segments]

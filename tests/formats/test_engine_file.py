@@ -15,7 +15,7 @@ SECTIONS = {"empty": b"", "model.onnx": b"\x01" * 1000, "tokenizer.json": b'{"x"
 GEOMETRY = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "vocab_size": 64,
             "max_positions": 128}
 # A contiguous engine's manifest as `llmc compile` writes it, but for format_version and sections.
-MANIFEST = {"llmc_version": "0", "created": "2026-12-01T00:00:00Z", "backend": "onnxruntime",
+MANIFEST = {"llmc_version": "0", "created": "2030-01-01T00:00:00Z", "backend": "onnxruntime",
             "geometry": GEOMETRY, "dtype": "float32", "has_position_ids": True, "sliding_window": None,
             "layer_windows": None, "source": {"file": "model.onnx", "sha256": "0" * 64, "nodes": 1},
             "build_options": {}, "optimization": [], "precision": None, "paged": None,
@@ -74,6 +74,21 @@ def test_a_flipped_manifest_byte_fails_its_checksum(engine):
     (lambda m: m["geometry"].update(head_dim=0), r"manifest field 'geometry.head_dim': 0 is not a valid value"),
 ])
 def test_a_manifest_of_the_wrong_shape_is_one_error_naming_the_field(engine, change, message):
+    rewrite_manifest(engine, change)
+    with pytest.raises(LlmcError, match="engine.plan: " + message):
+        read_engine(engine)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m["paged"]["segments"][0]["attention"].update(dense=None),
+     r"manifest field 'paged.segments\[0\].attention.dense' is missing \(the attention's dense form\)"),
+    (lambda m: m["paged"]["segments"][0]["attention"].pop("dense"),
+     r"manifest field 'paged.segments\[0\].attention.dense' is missing$"),
+    (lambda m: m["paged"].pop("single_sequence"), r"manifest field 'paged.single_sequence' is missing$"),
+])
+def test_a_paged_manifest_names_every_section_the_runtime_reads(tmp_path, tiny_llama_engine, change, message):
+    engine = tmp_path / "engine.plan"
+    engine.write_bytes(tiny_llama_engine.read_bytes())
     rewrite_manifest(engine, change)
     with pytest.raises(LlmcError, match="engine.plan: " + message):
         read_engine(engine)
@@ -207,4 +222,4 @@ def test_engine_weights_are_bound_to_the_engine_file_without_onnx(tmp_path, name
     session = open_session({"model.onnx": engine.sections["model.onnx"], "model.onnx.data": weights_file},
                            session_options(1))
     np.testing.assert_allclose(session.run(None, {"x": x})[0], reference, rtol=1e-6, atol=1e-6)
-    assert bind_weights(inline, weights_file) is None  # weights inline: nothing to bind
+    assert bind_weights(inline, weights_file) == inline  # weights inline: nothing to bind
