@@ -47,11 +47,11 @@ _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 3, 4
 # layers are alike is traced with two and the rest copied on the graph's structure (`_repeat_layer`).
 # The torch.export one makes two symbolic traces of every layer, then runs onnxscript's optimizer:
 # SmolLM2-135M's export takes 4-5 s and 1.4 GB by the first, 106 s and 2.8 GB by the second, for
-# the same fusions by `llmc compile` (bench/RESULTS.md, "Export: layers repeated by
-# structure"). A trace fixes Python-level branches on shapes, so the parity check runs at other
-# shapes than the trace's (a 5-token prefill of 2 sequences, then a decode with past). Its graph
-# comes without weights; they are written from the model's tensors, inline or, past
-# EXTERNAL_DATA_THRESHOLD (1.8 GB), into `<output>.data`. "auto" is the TorchScript one.
+# the same fusions by `llmc compile` (bench/export_paths_bench.py). A trace fixes Python-level
+# branches on shapes, so the parity check runs at other shapes than the trace's (a 5-token prefill
+# of 2 sequences, then a decode with past). Its graph comes without weights; they are written
+# from the model's tensors, inline or, past EXTERNAL_DATA_THRESHOLD (1.8 GB), into
+# `<output>.data`. "auto" is the TorchScript one.
 EXPORTERS = ("auto", "torchscript", "dynamo")
 _OPSET = 20  # what the torch.export exporter writes too
 

@@ -3,7 +3,7 @@
 onnx-ir (like onnx) parses a whole ModelProto, inline weights included, and serializes one whole.
 For a model whose weights are inline (every export under 2 GB, SmolLM2-135M's 654 MB among them)
 that costs seconds and a copy of the weights in protobuf memory that upb frees only with the
-message; bench/RESULTS.md ("ONNX I/O on onnx-ir") has the figures. So:
+message (bench/large_model_bench.py measures `llmc compile`'s time and peak memory). So:
 
 - `parse_leaving_inline_weights` parses a file without the raw bytes of its big initializers and
   says where those bytes are, for the loader to reference them in place;

@@ -54,9 +54,9 @@ DOMAIN = "llmc"
 OP_TYPE = "PagedAttention"
 PLUGIN_ID = "llmc::paged_attention"
 BLOCK_SIZES = tuple(2 ** i for i in range(9))  # 1 … 256
-# Measured (bench/RESULTS.md): the serving benchmark's live KV utilization was 0.954 at block 32,
-# under the 0.96 goal; 16 wastes half as much per sequence while the CPU attention
-# runs within a few percent of block 32.
+# Measured (bench/serving_bench.py): live KV utilization 0.954 at block 32, under the 0.96 goal;
+# 16 wastes half as much per sequence, and the CPU attention runs within a few percent of block
+# 32 (bench/paged_attention_bench.py).
 DEFAULT_BLOCK_SIZE = 16
 
 

@@ -29,10 +29,10 @@ first types the call with a plain int, runs Numba's untyped passes until `numba.
 rejects it, and only then looks in the cache (measured 3.0 s instead of 1.5 s before the first
 step, on the tiny test model).
 
-Measured on the serving benchmark's model (8 heads, 4 kv heads, head dim 64, block 16, 2 cores;
-bench/RESULTS.md): 16 decodes at 400 past tokens, kernel 0.55 ms vs dense form 2.8 ms (before the
-session-3 kernel changes); one sequence at 400 past tokens, kernel vs dense form: 16 new tokens
-0.18 vs 0.18 ms, 32 new 0.32 vs 0.21, 128 new 1.29 vs 0.53.
+Measured on the serving benchmark's geometry (8 heads, 4 kv heads, head dim 64, block 16, 2
+cores), one sequence at 400 past tokens, kernel vs dense form: 16 new tokens 0.18 vs 0.18 ms, 32
+new 0.32 vs 0.21, 128 new 1.29 vs 0.53; bench/paged_attention_bench.py compares the two on
+decodes.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class CpuPagedAttention:
     def _dense_session(self, scale: float, softcap: float) -> ort.InferenceSession:
         if (scale, softcap) not in self._dense:
             model = self._dense_models.get((scale, softcap))
-            if model is None:  # not stored in the engine: built here, which imports onnx
+            if model is None:  # the op used outside an engine (a test, a benchmark): built here (imports onnx)
                 from onnx import helper
 
                 from llmc.plugins.paged_attention_onnx import standalone_model

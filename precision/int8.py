@@ -16,7 +16,7 @@ inputs of the MLP's down projections (`PER_TOKEN_ROLES`). Those carry token-spec
 (on SmolLM2-135M a few tokens reach 500 where the median channel is 7): one static scale sized
 for them leaves the other tokens a handful of levels. Measured there on real text: static
 everywhere +10% perplexity (after smoothing), per-token down projections +0.5%
-(bench/RESULTS.md).
+(bench/precision_bench.py).
 
 TensorRT 11.4 has no run-time int8 activation scales (its dynamic quantization makes FP8 and FP4
 only), so for it those layers take another form (`OUTLIER_FORMS`, chosen by the caller):

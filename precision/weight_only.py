@@ -24,9 +24,9 @@ onnxruntime's own quantizer gives +23.7% to +26.0% there (lm_head fp32). Asymmet
 are the default by those numbers, with a caveat: that checkpoint was dequantized from GGUF Q4_1
 (asymmetric blocks of 32 along K), so its weights sit on an asymmetric 4-bit grid; on the
 fp16-trained pystdlib-llama int4 costs under 0.3% either way. Blocks of 128 cost +25.5% even
-with scaling. A calibrated per-block clip search (narrower ranges where that lowered the output
-error on the sampled rows) was tried and left out: no better in perplexity with 512 rows, and
-+21% with 256, where it fitted the few rows it saw.
+with scaling. There is no calibrated per-block clip search (narrower ranges where that lowers the
+output error on the sampled rows): it measured no better in perplexity with 512 rows, and +21%
+with 256, where it fits the few rows it sees.
 
 The logits projection is kept at 8 bits when int4 is asked (`LM_HEAD_UNDER_INT4`): int4 there
 cost SmolLM2 another +9 points of perplexity (+34% against +25%), int8 +0.5.

@@ -55,10 +55,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     policy: str = "fifo"
     max_wait_ms: float = 0.0
-    # Measured (bench/RESULTS.md, serving): with a 3,000-token prompt in flight, short requests'
-    # p99 time to first token falls several-fold against no cap. Offline throughput does not
-    # suffer: a step's decodes cost the weights' reading anyway, and there are more decode steps
-    # than prefill steps to spread prompts over.
+    # Measured (bench/serving_bench.py's interference workload): with a 3,000-token prompt in
+    # flight, short requests' p99 time to first token falls several-fold against no cap. Offline
+    # throughput does not suffer: a step's decodes cost the weights' reading anyway, and there are
+    # more decode steps than prefill steps to spread prompts over.
     max_prefill_tokens: int | None = 128
 
     def __post_init__(self):

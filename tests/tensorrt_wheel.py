@@ -2,7 +2,7 @@
 
 `wheel_folder()` downloads ``tensorrt-cu13-bindings==11.4.0.106`` (1.3 MB, no dependencies) once
 into the test cache (``$LLMC_TEST_CACHE``, default ``~/.cache/llmc-tests``) and extracts it. Its
-``tensorrt.so`` cannot be loaded here (no libnvinfer), but it is the 11.4 Python API:
+``tensorrt.so`` cannot be loaded without libnvinfer, but it is the 11.4 Python API:
 
 - `api_names()`: every identifier among its strings (pybind's class, method, property, enum-member
   and argument names and every docstring): a name that is not among them does not exist.

@@ -18,7 +18,7 @@ precision/check.py, its metrics on `EVAL_TOKENS` held-out tokens of data/pystdli
 - onnxruntime: compile, and `llmc run` completes a prompt greedily; float cells (no quantization,
   no fp16) give the reference's greedy tokens exactly and its perplexity within `FLOAT_PPL`
   percent; fp16 computation or an fp16 pool within `HALF_PPL`; quantized cells within `QUANTIZED_PPL`
-  (the issue's bar for SmolLM2).
+  (the bar quantized SmolLM2 engines are held to).
 - tensorrt: `--dry-run` finds no node TensorRT would refuse, and the graph the build would receive,
   run on the CPU (tests/tensorrt_form.py), meets the same tolerances.
 """

@@ -2,12 +2,12 @@
 
 The checkpoints are hf_checkpoints' REAL_SHAPE_FAMILIES: 8 layers, hidden 512, 8 heads of 64
 (grouped-query with 4 KV heads; plain multi-head for gpt_neox and gpt2; tied and untied
-embeddings), small MLP and vocabulary. The 2-layer, hidden-64 checkpoints of the other exporter
-tests never showed that `optimum-cli`'s files (no llmc metadata beside config.json) reached the
+embeddings), small MLP and vocabulary: the 2-layer, hidden-64 checkpoints of the other exporter
+tests do not show that `optimum-cli`'s files (no llmc metadata beside config.json) reach the
 paged lowering with 4-D attention.
 
 Coverage, kept to one export per cell: every family through `optimum-cli export onnx --task
-text-generation-with-past` (the README's command, the issue's reproduction), and each other
+text-generation-with-past` (the README's command), and each other
 exporter on the families in REST: Optimum's `main_export`, torch.onnx dynamo and TorchScript
 each on a grouped-query and a multi-head or tied-embedding family, onnxruntime-genai's builder on
 phi3 (its qwen2 re-saves the tokenizer with a 259th token, which the 258-word model refuses). The reference: transformers' greedy continuation by

@@ -2,7 +2,7 @@
 
 The bindings wheel of TensorRT 11.4 is downloaded (tests/tensorrt_wheel.py; skipped with the
 reason when the registry is unreachable or objdump is missing). Its compiled core cannot load
-here; the stand-in replaces exactly that, and refuses what TensorRT refuses:
+without TensorRT's libraries; the stand-in replaces exactly that, and refuses what TensorRT refuses:
 
 - the API map read from the bindings' registration code: members on their class, values on
   their enum, keywords among the method's argument names; every ``trt.X.Y`` llmc names, and every

@@ -1,4 +1,4 @@
-"""Faults tried on purpose (issue #13): corrupted and truncated engine files, requests aborted at
+"""Faults made on purpose: corrupted and truncated engine files, requests aborted at
 random points, a KV pool far too small for a burst, and a step that raises. Each must end in a
 clean `LlmcError` or in exactly the tokens of an unloaded run, with every KV block back."""
 
