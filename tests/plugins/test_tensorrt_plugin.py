@@ -99,7 +99,7 @@ print(json.dumps(results))
 
 
 def test_aot_kernel_fits_tensorrt_for_head_dim_128():
-    """Compiles without a GPU, in a fresh process: the interpreter tests in this session set
+    """Compiles without a GPU, in a fresh process: the interpreter tests in this pytest process set
     TRITON_INTERPRET, which must not leak into real compilation. head_dim 128 with 4 query heads
     per kv head (the package tests take 64), for an Ampere and a Blackwell target."""
     pytest.importorskip("triton", reason="triton is not installed (pip install 'llmc[gpu]')")
