@@ -153,7 +153,8 @@ def render_product_command(result: Result) -> list[str]:
     rows = []
     for row in result.get("rows"):
         if "refused" in row:
-            rows.append([row["row"], "refused by the accuracy gate", "-", "-"])
+            # the gate's message up to its list of layers: the figure it refused on
+            rows.append([row["row"], f"refused: {str(row['refused']).split(';')[0]}", "-", "-"])
         else:
             rows.append([row["row"], num(row.get("ppl_increase_pct")), num(row.get("top1_agreement")),
                          num(row.get("gate_ppl_increase_pct"))])
