@@ -1,7 +1,7 @@
 """Large-model benchmark: a 1B-parameter Llama-shaped checkpoint through llmc and onnxruntime-genai.
 
 The checkpoint has TinyLlama-1.1B's shape (22 layers, hidden 2,048, intermediate 5,632, 32 heads,
-4 kv heads, vocab 32,000), random seeded weights, 3.9 GB in fp32, and llmc's byte-level tokenizer.
+4 kv heads, vocab 32,000), random seeded weights, 4.4 GB in fp32, and llmc's byte-level tokenizer.
 Each step runs in a process of its own under /usr/bin/time, which reports its peak resident
 memory (max RSS):
 

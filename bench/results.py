@@ -165,8 +165,21 @@ def render_large_model(result: Result) -> list[str]:
     weights = result.get("checkpoint", "weights_gb")
     rows = [[step["step"], num(step.get("seconds")), num(step.get("peak_rss_gb")),
              ratio(step.get("peak_rss_gb"), weights), str(step.get("exit_code"))] for step in result.get("results")]
-    return [f"Checkpoint: {num(weights)} GB of fp32 weights.", ""] + table(
+    lines = [f"Checkpoint: {num(weights)} GB of fp32 weights.", ""] + table(
         ["step", "wall (s)", "peak RSS (GB)", "peak ÷ weights", "exit"], rows)
+    steps = {step["step"]: step for step in result.get("results")}
+    pairs = []
+    # checkpoint to ONNX against torch's exporter; checkpoint to a runnable model against genai's builder
+    for mine, theirs in ((("llmc export",), "torch.onnx export (dynamo)"),
+                         (("llmc export", "llmc compile"), "genai builder")):
+        if all(step in steps for step in (*mine, theirs)):
+            seconds = sum(steps[step].get("seconds") or 0 for step in mine)
+            peak = max(steps[step].get("peak_rss_gb") or 0 for step in mine)
+            pairs.append([f"{' + '.join(mine)} ÷ {theirs}", ratio(seconds, steps[theirs].get("seconds")),
+                          ratio(peak, steps[theirs].get("peak_rss_gb"))])
+    if pairs:
+        lines += ["", *table(["against the peer of the same run", "wall", "peak RSS (the steps' highest)"], pairs)]
+    return lines
 
 
 def render_precision(result: Result) -> list[str]:
@@ -281,7 +294,7 @@ BENCHMARKS = [
               "python bench/product_command_bench.py --save-json bench/results/product_command.json",
               render_product_command),
     Benchmark("large_model.json", "A 1B-parameter checkpoint: time and peak memory of each step",
-              "A Llama of TinyLlama-1.1B's shape (random weights, 3.9 GB fp32) through llmc export, compile and\n"
+              "A Llama of TinyLlama-1.1B's shape (random weights, fp32) through llmc export, compile and\n"
               "run, torch.onnx's exporter and onnxruntime-genai's builder, each in a process of its own: wall\n"
               "time and peak resident memory against the weights' size.",
               "python bench/large_model_bench.py --save-json bench/results/large_model.json",
