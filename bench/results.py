@@ -330,7 +330,7 @@ BENCHMARKS = [
               "One 4,096-token output through the Engine: the engine's Python time per token (the backend's\n"
               "step subtracted) in the last 512 tokens against the first, and incremental detokenization against\n"
               "decoding the whole output each token.",
-              "python bench/detokenize_bench.py --save-json bench/results/detokenize.json", render_detokenize),
+              "python bench/detokenize_bench.py --old 5d1f3e5 --save-json bench/results/detokenize.json", render_detokenize),
     Benchmark("compare_commits.json", "The runtime against its base commit: serving scenarios",
               "serving_bench's llmc scenarios run on two commits in one session, rounds alternating A and B, each\n"
               "tree compiling its own engine from the same ONNX model: B's change measured against its base\n"
