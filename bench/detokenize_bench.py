@@ -4,14 +4,14 @@ Two measurements:
 
   engine   One request, a 16-token prompt and 4,096 output tokens (ignore_eos, greedy) through
            `Engine`, on optimize_bench's ~32M Llama with 4,160 positions (compiled from the same
-           ONNX by each tree). the engine's backend step is wrapped so its time is subtracted from each
-           `engine.step()`'s wall time: what is left is the engine's Python time per token
-           (scheduling, block tables, sampling, detokenization, stop checks). Reported as the mean
-           and median per token in windows of 512 tokens, for this tree and, for contrast, another
-           tree (`--old`, e.g. the base commit 5d1f3e5). The wrapper also masks the logits to the printable ASCII ids (32-126) of
-           the checkpoint's byte-level tokenizer (258 tokens; the random model's other 8,000 ids
-           decode to nothing), so every output token is text; the mask's time counts as the
-           decoder's.
+           ONNX by each tree), one token a step (no guessing ahead). The engine's backend step is
+           wrapped so its time is subtracted from each `engine.step()`'s wall time: what is left is
+           the engine's Python time per token (scheduling, block tables, sampling, detokenization,
+           stop checks). Reported as the mean and median per token in windows of 512 tokens, for
+           this tree and, for contrast, another tree (`--old`, e.g. the base commit 5d1f3e5). The
+           wrapper also masks the logits to the printable ASCII ids (32-126) of the checkpoint's
+           byte-level tokenizer (258 tokens; the random model's other 8,000 ids decode to nothing),
+           so every output token is text; the mask's time counts as the decoder's.
   micro    `IncrementalText.add` alone against `tokenizer.decode(all ids)` per token, at output
            lengths 512 ... 4,096, on the first 4,096 tokens of data/pystdlib-text/heldout, for the byte-level
            tokenizer and (when cached by the tests) SmolLM2's.
@@ -96,7 +96,8 @@ def _engine(job: dict[str, Any]) -> dict[str, Any]:
     from llmc.runtime.engine import Engine
     from llmc.runtime.sampling_params import SamplingParams
 
-    engine = Engine(job["engine"], threads=job["threads"])
+    # One token a step: a step that guesses ahead makes several, and the windows would count steps.
+    engine = Engine(job["engine"], threads=job["threads"], speculative_tokens=0)
     # The step's one entry point: the backend's `run` (in the base commit 5d1f3e5, the decoder's `step`).
     decoder, method = (engine.backend, "run") if hasattr(engine, "backend") else (engine.decoder, "step")
     inner = getattr(decoder, method)

@@ -254,8 +254,10 @@ def render_detokenize(result: Result) -> list[str]:
     lines = []
     engine = result.get("engine", default=None) or {}
     if engine:
-        lines += table(["tree", "commit", "Python ms/token, last 512 ÷ first 512 (mean)"],
-                       [[side, f"`{run.get('commit', '-')}`", num(run.get("last_over_first_mean"))]
+        names = {"new": "this tree", "old": "--old"}
+        lines += table(["tree", "commit", "tokens", "Python ms/token, first 512 (mean)", "last 512 ÷ first 512 (mean)"],
+                       [[names.get(side, side), f"`{run.get('commit', '-')}`", num(run.get("tokens")),
+                         num(run["windows"][0]["python_ms_mean"]), num(run.get("last_over_first_mean"))]
                         for side, run in engine.items()], text_columns=2) + [""]
     for name, rows in result.get("micro").items():
         lines += [f"{name} tokenizer, per token:", ""]
