@@ -334,14 +334,14 @@ BENCHMARKS = [
               "decoding the whole output each token.",
               "python bench/detokenize_bench.py --old 5d1f3e5 --save-json bench/results/detokenize.json", render_detokenize),
     Benchmark("compare_commits.json", "The runtime against its base commit: serving scenarios",
-              "serving_bench's llmc scenarios run on two commits in one session, rounds alternating A and B, each\n"
+              "serving_bench's llmc scenarios run on two commits in one run, rounds alternating A and B, each\n"
               "tree compiling its own engine from the same ONNX model: B's change measured against its base\n"
               "under the same machine conditions.",
               "python bench/compare_commits.py --a 5d1f3e5 --b HEAD --rounds 3 --scenarios "
               "offline,offline-32,interference --save-json bench/results/compare_commits.json",
               compare_renderer(("offline", "offline-32", "interference"))),
     Benchmark("compare_commits_decode.json", "The runtime against its base commit: decode rates",
-              "latency_bench's batch-1 and static batch-16 decode rates on two commits in one session, each\n"
+              "latency_bench's batch-1 and static batch-16 decode rates on two commits in one run, each\n"
               "round's rate the median of 5 batches.",
               "python bench/compare_commits.py --a 5d1f3e5 --b HEAD --rounds 5 --scenarios decode-1,decode-16 "
               "--save-json bench/results/compare_commits_decode.json",
