@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -169,3 +170,9 @@ def test_a_malformed_row_names_the_file(tree, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {folder / 'latency_smollm2.json'}: missing or malformed field") and "measure" in err
     assert "\n" not in err
+
+
+def test_repository_results_match_their_json():
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "results.py"), "--check"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
