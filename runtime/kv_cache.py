@@ -124,7 +124,7 @@ class KvCache:
         paged, geometry = manifest.paged, manifest.geometry
         blocks = pool_blocks(paged, geometry, kv_pool_mb, available)
         self.num_blocks = blocks if max_blocks is None else min(blocks, max_blocks)
-        self.block_size, self.dtype = paged.block_size, paged.kv_dtype
+        self.block_size = paged.block_size
         # Every layer's keys and values in one array, [layer and part, block, kv head, slot, head dim]:
         # storing a step, or copying a block, is one operation instead of one a layer.
         self.pool = allocate((2 * geometry.num_layers, self.num_blocks, geometry.num_kv_heads, paged.block_size,
@@ -185,10 +185,9 @@ class RowCache:
             late write-back could not tell where they went).
     """
 
-    def __init__(self, pool: np.ndarray, capacity: int, block_size: int, max_rows: int, eager: bool = False,
-                 allocate: Callable[[tuple[int, ...], str], Any] = allocate_pool):
+    def __init__(self, pool: np.ndarray, capacity: int, block_size: int, max_rows: int, eager: bool = False):
         self.pool, self.block_size, self.max_rows, self.eager = pool, block_size, max_rows, eager
-        self._shape, self._allocate = (pool.shape[2], capacity, pool.shape[4]), allocate
+        self._shape = (pool.shape[2], capacity, pool.shape[4])
         self._tables: list[np.ndarray | None] = []
         self.generation = 0
         self._grow(1)
@@ -349,5 +348,5 @@ class RowCache:
         self.rows = min(self.max_rows, 1 << (rows - 1).bit_length())
         self.generation += 1  # a new buffer: bindings of the old one are stale
         # [layer and part, row, kv head, position, head dim], layers and parts in the pool's order
-        self.buffer = self._allocate((len(self.pool), self.rows, *self._shape), self.pool.dtype)
+        self.buffer = allocate_pool((len(self.pool), self.rows, *self._shape), self.pool.dtype)
         self.invalidate()

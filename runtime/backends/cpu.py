@@ -70,7 +70,7 @@ class CpuBackend:
         self.kv, self.pools = kv, kv.layer_pools()
         if self._single is not None:
             rows = kv.mirror_rows(self.max_seq_len + self.paths.padding_row, self.max_batch, eager=any(self.windows))
-            self.whole = WholeGraph(self._single, rows)
+            self.whole = WholeGraph(self._single, rows, self.paths.padding_row)
 
     def _open(self, section: str):
         """A session over one of the engine's graph sections, its weights mapped from the file."""

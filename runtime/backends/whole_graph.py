@@ -31,11 +31,11 @@ class WholeGraph:
     Args:
         session: the engine's single-sequence graph, opened.
         rows: the rows it runs on; their buffer's layers and parts are in the pool's order.
+        pads: the graph has a lone token's padding row (its `padding_rows` input).
     """
 
-    def __init__(self, session: ort.InferenceSession, rows: RowCache):
-        self.session, self.rows = session, rows
-        self.pads = any(i.name == "padding_rows" for i in session.get_inputs())  # a lone token's padding row
+    def __init__(self, session: ort.InferenceSession, rows: RowCache, pads: bool):
+        self.session, self.rows, self.pads = session, rows, pads
         self._names = [(layer, part) for layer in range(len(rows.pool) // 2) for part in ("key", "value")]
         self._binding = session.io_binding()
         self._binding.bind_output("logits")  # first: get_outputs()[0]
