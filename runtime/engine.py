@@ -43,6 +43,7 @@ from llmc.runtime.sampler import is_argmax, sample
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Chunk, Request, Scheduler, SchedulerConfig
 from llmc.runtime.step_plan import StepPlan, StepPlanner, packed_plan
+from llmc.runtime.timeline import OFF
 from llmc.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -150,16 +151,19 @@ class Engine:
             decoding, runtime/prompt_lookup.py; beside other requests, only guesses likely to be
             kept); the step keeps those greedy decoding picks anyway. 0 turns it off; None:
             `default_speculative_tokens`.
+        timeline: records where each step's time goes (runtime/timeline.py; `llmc profile`);
+            None records nothing.
     """
 
     def __init__(self, engine: str | os.PathLike | EngineFile, config: SchedulerConfig | None = None,
                  threads: int | None = None, kv_pool_mb: float | None = None, *,
                  section_check: SectionCheck | None = None, single_sequence: bool = True,
-                 concurrent: bool = False, speculative_tokens: int | None = None):
+                 concurrent: bool = False, speculative_tokens: int | None = None, timeline=None):
         if speculative_tokens is not None and (not isinstance(speculative_tokens, int) or speculative_tokens < 0):
             raise LlmcError(f"--speculative-tokens: must be an integer ≥ 0, got {speculative_tokens!r}")
         self.section_check = section_check
-        options = BackendOptions(threads, single_sequence, concurrent)
+        self.timeline = timeline or OFF
+        options = BackendOptions(threads, single_sequence, concurrent, self.timeline)
         if isinstance(engine, EngineFile):
             self._load(engine, options, kv_pool_mb)
         else:
@@ -245,17 +249,24 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            return []
-        plan = self.planner.plan(chunks, self._lookups)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s", plan)
-        try:
-            logits = self._execute(plan)
-        except Exception as error:  # the requests of this step fail; the others keep running
-            return [self._fail(chunk.request, error) for chunk in plan.chunks]
-        return self._postprocess(plan, logits)
+        timeline = self.timeline
+        with timeline.span("step") as step:
+            with timeline.span("schedule"):
+                chunks = self.scheduler.schedule()
+            if not chunks:
+                return []
+            with timeline.span("plan"):
+                plan = self.planner.plan(chunks, self._lookups)
+            step.update(kind=plan.kind, path=plan.path, tokens=len(plan.tokens), seqs=plan.num_seqs)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s", plan)
+            try:
+                with timeline.span("execute"):
+                    logits = self._execute(plan)
+            except Exception as error:  # the requests of this step fail; the others keep running
+                return [self._fail(chunk.request, error) for chunk in plan.chunks]
+            with timeline.span("postprocess"):
+                return self._postprocess(plan, logits)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """[tokens, vocab] logits at every position of one sequence, computed from scratch in
@@ -301,18 +312,21 @@ class Engine:
             row += 1 + len(chunk.draft)
             try:
                 if chunk.draft:
-                    best = logits.argmax(axis=1) if best is None else best
+                    with self.timeline.span("sample"):
+                        best = logits.argmax(axis=1) if best is None else best
                     outputs += self._verify(index, chunk, best[row - len(chunk.draft):row + 1].tolist())
                     continue
                 request.num_computed += chunk.count
                 self.blocks.mark_computed(request.request_id, request.num_computed)
                 if request.num_computed < len(request.token_ids):
                     continue  # a prefill chunk short of the prompt's end: no token yet
-                if is_argmax(request.params):
-                    best = logits.argmax(axis=1) if best is None else best
-                    token = int(best[row])
-                else:
-                    token = sample(logits[row], request.params, request.rng, request.prompt_ids, request.output_ids)
+                with self.timeline.span("sample"):
+                    if is_argmax(request.params):
+                        best = logits.argmax(axis=1) if best is None else best
+                        token = int(best[row])
+                    else:
+                        token = sample(logits[row], request.params, request.rng, request.prompt_ids,
+                                       request.output_ids)
                 request.add_output(token)
                 outputs.append(self._emit(request, token))
             except Exception as error:  # this request fails alone
@@ -348,7 +362,8 @@ class Engine:
 
     def _emit(self, request: Request, token: int) -> RequestOutput:
         text = self._texts[request.request_id]
-        delta, stopped = text.add(token)
+        with self.timeline.span("detokenize"):
+            delta, stopped = text.add(token)
         reason = "stop" if stopped else finish_reason(token, len(request.output_ids), self._budget(request),
                                                       request.params, self.tokenizer.eos_ids)
         if reason is not None:

@@ -69,6 +69,15 @@ class StepPlan:
     def num_seqs(self) -> int:
         return self.batch.num_seqs
 
+    @property
+    def kind(self) -> str:
+        """What the step is, as profiles group steps: "prefill" (prompt chunks only), "decode bN"
+        (a token for each of N sequences, with any guesses), or "mixed bN" (both)."""
+        prompts = sum(c.count - len(c.draft) > 1 for c in self.chunks)
+        if prompts == len(self.chunks):
+            return "prefill"
+        return f"{'mixed' if prompts else 'decode'} b{self.num_seqs}"
+
     def __str__(self) -> str:
         guesses = sum(len(c.draft) for c in self.chunks)
         decodes = sum(c.count - len(c.draft) == 1 for c in self.chunks)

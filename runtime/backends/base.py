@@ -29,6 +29,7 @@ import numpy as np
 from llmc.formats.engine_file import EngineFile
 from llmc.runtime.kv_cache import KvCache, allocate_pool
 from llmc.runtime.step_plan import StepPaths, StepPlan
+from llmc.runtime.timeline import OFF
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,13 @@ class BackendOptions:
         single_sequence: run the steps it can take on the engine's whole graph, where it has one.
         concurrent: requests are expected to overlap (a server, a throughput benchmark): build
             what a step of several sequences needs at load, not at its first such step.
+        timeline: where the backend records its calls (runtime/timeline.py); `OFF` records none.
     """
 
     threads: int | None = None
     single_sequence: bool = True
     concurrent: bool = False
+    timeline: Any = OFF
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from llmc.runtime.backends.onnxruntime import drop_file_pages, release_model_byt
 from llmc.runtime.backends.whole_graph import WholeGraph
 from llmc.runtime.kv_cache import KvCache
 from llmc.runtime.step_plan import PACKED, WHOLE_GRAPH, StepPaths, StepPlan
+from llmc.runtime.timeline import KERNEL, ONNXRUNTIME
 
 
 class CpuBackend:
@@ -52,6 +53,7 @@ class CpuBackend:
         self.windows = tuple(s.attention.window for s in self.segments if s.attention is not None)
         self._engine, self._threads, self._kv_dtype = engine, options.threads, paged.kv_dtype
         self._options = session_options(options.threads)
+        self.timeline = options.timeline
         self._attention: CpuPagedAttention | None = None
         self._sessions: list | None = None
         self._single = None
@@ -70,18 +72,22 @@ class CpuBackend:
         self.kv, self.pools = kv, kv.layer_pools()
         if self._single is not None:
             rows = kv.mirror_rows(self.max_seq_len + self.paths.padding_row, self.max_batch, eager=any(self.windows))
-            self.whole = WholeGraph(self._single, rows, self.paths.padding_row)
+            self.whole = WholeGraph(self._single, rows, self.paths.padding_row, self.timeline)
 
     def _open(self, section: str):
         """A session over one of the engine's graph sections, its weights mapped from the file."""
         engine = self._engine
         weights = engine.offsets.get("model.onnx.data")
+        if self.timeline.enabled:
+            self.timeline.session_options(self._options, section)
         session = open_session({"model.onnx": engine.sections[section],
                                 **({"model.onnx.data": FileRange(engine.path, weights)} if weights is not None else {})},
                                self._options)
         # Each as soon as it is built: freed together, the segments' bytes would leave the
         # heap fragmented (measured +400 MB resident for SmolLM2-135M's 30 segments).
         release_model_bytes(session)
+        if self.timeline.enabled:
+            self.timeline.watch(session, section)
         return session
 
     def _segmented(self) -> tuple[CpuPagedAttention, list]:
@@ -109,9 +115,11 @@ class CpuBackend:
         values = {"input_ids": plan.tokens[None], "position_ids": plan.positions[None],
                   "logits_rows": np.asarray(plan.rows, np.int64), **self.pools}
         stores = []
+        timeline = self.timeline
         for segment, session in zip(self.segments, sessions):
             if session is not None:
-                outputs = session.run(segment.outputs, {name: values[name] for name in segment.inputs})
+                with timeline.span(segment.section, ONNXRUNTIME):
+                    outputs = session.run(segment.outputs, {name: values[name] for name in segment.inputs})
                 values.update(zip(segment.outputs, outputs))
             call = segment.attention
             if call is not None:
@@ -119,14 +127,16 @@ class CpuBackend:
                 # In the pool's type before attention reads them: a step sees its own keys and
                 # values as every later step will, so outputs do not depend on how prompts are chunked.
                 key, value = (np.ascontiguousarray(a, key_cache.dtype) for a in (key, value))
-                attended = attention(query, key, value, key_cache, value_cache, layout, call.scale,
-                                     call.window, call.softcap)
+                with timeline.span("paged attention", KERNEL):
+                    attended = attention(query, key, value, key_cache, value_cache, layout, call.scale,
+                                         call.window, call.softcap)
                 values[call.output] = attended.astype(query.dtype, copy=False)  # the kernel computes in fp32
                 stores += [(key_cache, key), (value_cache, value)]
         blocks, offsets = batch.slots(self.block_size)
         self.kv.wrote(blocks)
-        for pool, new in stores:
-            attention.store(pool, new, blocks, offsets)
+        with timeline.span("store keys and values", KERNEL):
+            for pool, new in stores:
+                attention.store(pool, new, blocks, offsets)
         return values["logits"][0]
 
     def steps_round_alike(self) -> bool:

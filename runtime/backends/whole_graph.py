@@ -19,6 +19,7 @@ import onnxruntime as ort
 
 from llmc.runtime.kv_cache import RowCache
 from llmc.runtime.step_plan import StepPlan
+from llmc.runtime.timeline import OFF, ONNXRUNTIME
 
 # Steps of one sequence up to this many tokens (a decode with its guesses) run through arrays
 # bound once per shape; a longer one (a prompt) binds its inputs for the call.
@@ -32,10 +33,11 @@ class WholeGraph:
         session: the engine's single-sequence graph, opened.
         rows: the rows it runs on; their buffer's layers and parts are in the pool's order.
         pads: the graph has a lone token's padding row (its `padding_rows` input).
+        timeline: where its session calls are recorded.
     """
 
-    def __init__(self, session: ort.InferenceSession, rows: RowCache, pads: bool):
-        self.session, self.rows, self.pads = session, rows, pads
+    def __init__(self, session: ort.InferenceSession, rows: RowCache, pads: bool, timeline=OFF):
+        self.session, self.rows, self.pads, self.timeline = session, rows, pads, timeline
         self._names = [(layer, part) for layer in range(len(rows.pool) // 2) for part in ("key", "value")]
         self._binding = session.io_binding()
         self._binding.bind_output("logits")  # first: get_outputs()[0]
@@ -99,7 +101,8 @@ class WholeGraph:
         if self.pads:
             binding.bind_cpu_input("padding_rows", np.array([pad], np.int64))
         binding.bind_output("logits")  # again: a bound output keeps the last run's shape
-        self.session.run_with_iobinding(binding)
+        with self.timeline.span("whole graph", ONNXRUNTIME):
+            self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()[0]
 
     def _bind(self, rows: int) -> None:
@@ -154,5 +157,6 @@ class WholeGraph:
         arrays["logits_rows"][:] = logits_rows
         if self.pads:
             arrays["padding_rows"][0] = pad
-        self.session.run_with_iobinding(self._binding)
+        with self.timeline.span("whole graph", ONNXRUNTIME):
+            self.session.run_with_iobinding(self._binding)
         return arrays["logits"][0].copy()  # the array is the next step's of this shape too
