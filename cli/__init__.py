@@ -2,7 +2,7 @@
 public Python API (llmc/__init__.py); common.py holds the group and its error policy."""
 
 from llmc.cli.common import entry, main
-from llmc.cli import (bench, check, compile, export, inspect, optimize, run, sensitivity,  # noqa: F401 (registers)
-                      serve)
+from llmc.cli import (bench, check, compile, export, inspect, optimize, profile, run,  # noqa: F401 (registers)
+                      sensitivity, serve)
 
 __all__ = ["entry", "main"]

@@ -257,7 +257,9 @@ class Engine:
                 return []
             with timeline.span("plan"):
                 plan = self.planner.plan(chunks, self._lookups)
-            step.update(kind=plan.kind, path=plan.path, tokens=len(plan.tokens), seqs=plan.num_seqs)
+            if timeline.enabled:
+                step.update(kind=plan.kind, path=plan.path, tokens=len(plan.tokens), seqs=plan.num_seqs,
+                            attended=plan.attended_positions())
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s", plan)
             try:

@@ -78,6 +78,14 @@ class StepPlan:
             return "prefill"
         return f"{'mixed' if prompts else 'decode'} b{self.num_seqs}"
 
+    def attended_positions(self) -> int:
+        """Positions the step's attention reads, summed over its tokens (a token at position p
+        attends to p + 1, windows aside): the KV cache it reads, for profiles' bounds."""
+        pasts = np.asarray(self.batch.context_lens, np.int64)
+        starts = np.asarray(self.batch.query_start_loc, np.int64)
+        new = starts[1:] - starts[:-1]
+        return int(np.sum(new * pasts + new * (new + 1) // 2))
+
     def __str__(self) -> str:
         guesses = sum(len(c.draft) for c in self.chunks)
         decodes = sum(c.count - len(c.draft) == 1 for c in self.chunks)
