@@ -194,16 +194,21 @@ def _kind_order(kind: str) -> tuple[int, int]:
 
 
 def render(profile: dict) -> str:
-    """The report a person reads: per step kind, the split of a step and its top operators."""
+    """The report a person reads: the workload, then `render_breakdown`."""
     workload = profile["workload"]
-    lines = [f"llmc profile {profile['engine']}: 1 request, then {workload['batch']} together; "
-             f"{workload['prompt_len']}-token prompts of real text, {workload['new_tokens']} new tokens each; "
-             f"{profile['wall_s']:.2f} s measured"]
-    if "machine" in profile:
-        machine = profile["machine"]
-        lines.append(f"machine ({machine['threads']} threads, measured): memory {machine['memory_bytes_per_s'] / 1e9:.1f} GB/s, "
-                     f"fp32 peak {machine['flops_per_s'] / 1e9:.0f} GFLOP/s")
-    for kind, row in profile["kinds"].items():
+    return (f"llmc profile {profile['engine']}: 1 request, then {workload['batch']} together; "
+            f"{workload['prompt_len']}-token prompts of real text, {workload['new_tokens']} new tokens each; "
+            f"{profile['wall_s']:.2f} s measured\n" + render_breakdown(profile))
+
+
+def render_breakdown(breakdown: dict) -> str:
+    """Per step kind, the split of a step, its bound and its top operators."""
+    lines = []
+    if "machine" in breakdown:
+        machine = breakdown["machine"]
+        lines.append(f"machine ({machine['threads']} threads, measured): memory {machine['memory_bytes_per_s'] / 1e9:.1f} "
+                     f"GB/s, fp32 peak {machine['flops_per_s'] / 1e9:.0f} GFLOP/s")
+    for kind, row in breakdown["kinds"].items():
         bound = f"; {_describe(row['bound'])}" if "bound" in row else ""
         lines.append("")
         lines.append(f"{kind}: {row['steps']} steps, {row['step_ms']:.2f} ms/step, "
@@ -248,24 +253,63 @@ def trace_events(timeline: Timeline, start: int, end: int) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def breakdown(engine, start: int, end: int, *, bounds: bool = True, threads: int | None = None) -> dict:
+    """`summarize` of an engine made with a timeline, over [start, end] of its clock: the
+    operators collected, and with `bounds` the machine's limits measured (about 2 s) and each
+    row's bound set beside it. {"machine": ..., "kinds": ...}, JSON-ready."""
+    timeline = engine.timeline
+    timeline.collect_operators()
+    if not bounds:
+        return {"kinds": summarize(timeline, start, end)}
+    from llmc.runtime import roofline
+    from llmc.runtime.engine import load_engine_file
+
+    engine_file = load_engine_file(engine.path, verify=False)
+    limits = roofline.measure_limits(threads)
+    weights = roofline.graph_weights(engine_file)
+    # The weights a step reads once: the engine's weights section (the segments and the whole
+    # graph share it); a TensorRT engine holds them inside its plan, its largest section.
+    sections = engine_file.sections
+    weight_bytes = len(sections["model.onnx.data"]) if "model.onnx.data" in sections else \
+        max(len(section) for section in sections.values())
+    kv_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(engine_file.manifest.paged.kv_dtype, 4)
+
+    def step_cost(step: Span):
+        return roofline.step_cost(weight_bytes, engine_file.manifest.geometry, step.args["tokens"],
+                                  step.args["attended"], kv_bytes)
+
+    return {"machine": limits.as_dict(), "kinds": summarize(timeline, start, end, limits, weights, step_cost)}
+
+
+def profile_run(make_engine: Callable[[Timeline], Any], run: Callable[[Any], None], *, bounds: bool = True,
+                threads: int | None = None) -> dict:
+    """The breakdown of `run(engine)` on an engine `make_engine(timeline)` builds for it: how a
+    benchmark attaches where its time went (`llmc bench --profile`, bench/). The profiler slows
+    what it measures (onnxruntime stamps every operator: a small model's batch-1 decode ran 2×
+    slower), so a benchmark times its figures on an engine without one and profiles a second run."""
+    timeline = Timeline()
+    engine = make_engine(timeline)
+    start = timeline.now()
+    run(engine)
+    return breakdown(engine, start, timeline.now(), bounds=bounds, threads=threads)
+
 
 def profile_engine(path: str | os.PathLike, spec: ProfileSpec, *, text: str | os.PathLike | None = None,
                    threads: int | None = None, speculative_tokens: int | None = None, bounds: bool = True,
                    progress: Callable[[int], None] | None = None) -> tuple[dict, Timeline, int, int]:
-    """Profile the engine at `path` on `spec`'s workload.
+    """Profile the engine at `path` on `spec`'s workload (`llmc profile`).
 
     Args:
         text: a text file the prompts are cut from (default `DEFAULT_TEXT`).
         threads: CPU threads (None: every core).
         speculative_tokens: as `Engine`'s (None: the engine's default).
-        bounds: measure the machine's limits (about 2 s) and set each row's bound beside it.
+        bounds: measure the machine's limits and set each row's bound beside it.
         progress: called with the tokens each measured step produced.
 
     Returns the report (JSON-ready), the timeline and the measured part's start and end.
     """
-    from llmc.runtime.engine import Engine, load_engine_file
+    from llmc.runtime.engine import Engine
 
-    engine_file = load_engine_file(path, verify=False)
     text_path = Path(text) if text is not None else DEFAULT_TEXT
     try:
         source = text_path.read_text(encoding="utf-8")
@@ -278,27 +322,8 @@ def profile_engine(path: str | os.PathLike, spec: ProfileSpec, *, text: str | os
     # another's prefix, so no step is shortened by the prefix cache.
     prompts = prompts_from_text(engine.tokenizer, source, spec.batch + 2, spec.prompt_len, str(text_path))
     start, end = run_profile(engine, spec, prompts, progress)
-    timeline.collect_operators()
-    limits = weights = step_cost = None
-    if bounds:
-        from llmc.runtime import roofline
-
-        limits = roofline.measure_limits(threads)
-        weights = roofline.graph_weights(engine_file)
-        # The weights a step reads once: the engine's weights section (the segments and the whole
-        # graph share it); a TensorRT engine holds them inside its plan, its largest section.
-        sections = engine_file.sections
-        weight_bytes = len(sections["model.onnx.data"]) if "model.onnx.data" in sections else \
-            max(len(section) for section in sections.values())
-        kv_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(engine_file.manifest.paged.kv_dtype, 4)
-
-        def step_cost(step: Span):
-            return roofline.step_cost(weight_bytes, engine_file.manifest.geometry, step.args["tokens"],
-                                      step.args["attended"], kv_bytes)
-
-    report = {"engine": str(path), "backend": engine_file.manifest.backend, "wall_s": (end - start) / 1e9,
+    report = {"engine": str(path), "backend": engine.manifest.backend, "wall_s": (end - start) / 1e9,
               "workload": {"batch": spec.batch, "prompt_len": spec.prompt_len, "new_tokens": spec.new_tokens,
                            "text": str(text_path), "speculative_tokens": engine.speculative_tokens},
-              **({"machine": limits.as_dict()} if limits is not None else {}),
-              "kinds": summarize(timeline, start, end, limits, weights, step_cost)}
+              **breakdown(engine, start, end, bounds=bounds, threads=threads)}
     return report, timeline, start, end
