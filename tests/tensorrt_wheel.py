@@ -35,7 +35,12 @@ into the test cache (``$LLMC_TEST_CACHE``, default ``~/.cache/llmc-tests``) and 
   reports that description's tensors and profile; an execution context refuses shapes outside
   the profile (``set_input_shape`` returns False), runs only with every input shape and address
   set and equally named dimensions equal, reads and writes tensors at their addresses in the
-  engine's types, and computes outputs with the test's ``StubTensorRT.execute``.
+  engine's types, and computes outputs with the test's ``StubTensorRT.execute``. Its ``profiler``
+  takes only an ``IProfiler`` (pybind's argument check), whose Python subclass must have called
+  ``IProfiler.__init__``; each layer of the engine is reported to it with an equal share of the
+  step's measured time, during ``execute_async_v3`` while ``enqueue_emits_profile`` is True (the
+  default), else at ``report_to_profiler()``; a subclass without ``report_layer_time``, or one
+  that raises, is reported on stderr and the run goes on, as the bindings' trampoline does.
 
 Import as ``from tensorrt_wheel import ...`` (tests/ is on sys.path via tests/conftest.py).
 """
@@ -53,6 +58,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 import types
 import zipfile
 from dataclasses import dataclass, field
@@ -523,6 +529,17 @@ class _StubMeta(type):
         return module.member(cls._stub_name, name)
 
 
+class _PybindSubclassed(_StubMeta):
+    """A bound class Python code derives from: pybind refuses an instance whose ``__init__`` did not
+    call the bound class's (pybind11_meta_call: its holder was never constructed)."""
+
+    def __call__(cls, *args, **kwargs):
+        instance = super().__call__(*args, **kwargs)
+        if "_stub_initialized" not in instance.__dict__:
+            raise TypeError(f"tensorrt.{cls._stub_name}.__init__() must be called when overriding __init__")
+        return instance
+
+
 class _Stub(metaclass=_StubMeta):
     """An instance of a stand-in class: checked attributes, checked keywords."""
 
@@ -678,7 +695,9 @@ def _core(trt: StubTensorRT) -> dict[str, object]:
                 if namespace is not None and registry.get_creator(node.op_type, "1", namespace) is None:
                     # onnx-tensorrt's fallback to a plugin: the creator must be registered by then.
                     self._errors.append(ParserError(node.name, f"Plugin not found: {namespace}::{node.op_type}"))
-                self._network._layers.append(Layer(node.name, node.op_type))
+                # onnx-tensorrt's getNodeName: an unnamed node's layer is named for its first output.
+                name = node.name or f"node_of_{node.output[0]}"
+                self._network._layers.append(Layer(name, node.op_type))
             if self._errors:
                 return False
             for values, into in ((graph.input, self._network._inputs), (graph.output, self._network._outputs)):
@@ -791,9 +810,58 @@ def _core(trt: StubTensorRT) -> dict[str, object]:
                 "layers": [[layer.name, layer._op_type] for layer in network._layers]}
             return HostMemory(json.dumps(description).encode())
 
+    class Profiler(trt.cls("IProfiler"), metaclass=_PybindSubclassed):
+        def __init__(self):
+            super().__init__()
+            self._stub_initialized = True
+
+        def report_layer_time(self, layer_name, ms):
+            # The bindings' trampoline finds no Python override; their catch prints what it raised.
+            print('[ERROR] Exception caught in report_layer_time(): Tried to call pure virtual function '
+                  '"IProfiler::report_layer_time"', file=sys.stderr)
+
     class Context(trt.cls("IExecutionContext")):
         def __init__(self, engine):
             self._engine, self._shapes, self._addresses = engine, {}, {}
+            self._profiler, self._emits, self._unreported = None, True, None
+
+        @property
+        def profiler(self):
+            return self._profiler
+
+        @profiler.setter
+        def profiler(self, profiler):
+            if profiler is not None and not isinstance(profiler, Profiler):
+                raise TypeError(f"(): incompatible function arguments. The following argument types are supported: "
+                                f"(self: tensorrt.IExecutionContext, arg0: tensorrt.IProfiler) -> None; invoked "
+                                f"with {type(profiler).__name__}")
+            self._profiler = profiler
+
+        @property
+        def enqueue_emits_profile(self):
+            return self._emits
+
+        @enqueue_emits_profile.setter
+        def enqueue_emits_profile(self, emits):
+            if not isinstance(emits, bool):
+                raise TypeError(f"(): incompatible function arguments: enqueue_emits_profile takes a bool, not "
+                                f"{type(emits).__name__}")
+            self._emits = emits
+
+        def report_to_profiler(self):
+            """The layer times of the last launch, to the profiler; False without one (or no launch)."""
+            if self._profiler is None or self._unreported is None:
+                return False
+            self._report(self._unreported)
+            return True
+
+        def _report(self, times):
+            for name, ms in times:
+                try:
+                    self._profiler.report_layer_time(name, ms)
+                except Exception as error:  # the bindings catch every exception here
+                    print(f"[ERROR] Exception caught in report_layer_time(): {type(error).__name__}: {error}",
+                          file=sys.stderr)
 
         def set_input_shape(self, name, shape):
             shape = tuple(int(d) for d in shape)
@@ -835,11 +903,18 @@ def _core(trt: StubTensorRT) -> dict[str, object]:
                 trt.log(self._engine._logger, f"IExecutionContext::enqueueV3: Error Code 7: Internal Error ({problem})")
                 return False
             tensors = self._engine._tensors
+            start = time.perf_counter()
             inputs = {n: self._array(n, self._shapes[n]) for n, t in tensors.items() if t["mode"] == "INPUT"}
             outputs = trt.execute(self._engine._description, inputs)
             for name, value in outputs.items():
                 shape = self.get_tensor_shape(name)  # by dimension names; else what was computed
                 self._array(name, np.shape(value) if -1 in shape else shape)[...] = value
+            if self._profiler is not None:
+                layers = self._engine._description["layers"]
+                share = (time.perf_counter() - start) * 1e3 / max(len(layers), 1)
+                self._unreported = [(name, share) for name, _ in layers]
+                if self._emits:  # enqueue is synchronous then, and reports before it returns
+                    self._report(self._unreported)
             return True
 
         def _named_sizes(self):
@@ -914,12 +989,13 @@ def _core(trt: StubTensorRT) -> dict[str, object]:
                 return None
             return Engine(description, self._logger)
 
-    made = (Registry, Tensor, Layer, Network, ParserError, Profile, HostMemory, TimingCache, Config, Context, Engine,
-            Builder, Parser, Runtime)
+    made = (Registry, Tensor, Layer, Network, ParserError, Profile, HostMemory, TimingCache, Config, Profiler, Context,
+            Engine, Builder, Parser, Runtime)
     for cls in made:
         cls._stub_strict = True  # attributes set on them are checked, as on pybind objects
     trt.fakes = {cls._stub_name: cls for cls in made}
-    return {"Builder": Builder, "OnnxParser": Parser, "Runtime": Runtime, "get_plugin_registry": lambda: registry}
+    return {"Builder": Builder, "OnnxParser": Parser, "Runtime": Runtime, "IProfiler": Profiler,
+            "get_plugin_registry": lambda: registry}
 
 
 def _text(value: Any) -> str | None:

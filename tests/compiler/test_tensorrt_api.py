@@ -32,44 +32,16 @@ from onnx import TensorProto, helper
 
 import llmc
 from llmc.compiler.build import compile_model
-from llmc.compiler.tensorrt_network import PLUGIN_ATTRIBUTES, TensorRTOptions
+from llmc.compiler.tensorrt_network import PLUGIN_ATTRIBUTES
 from llmc.errors import LlmcError
 from llmc.formats.engine_file import read_engine
 from llmc.formats.manifest import TensorRTBuild
 from llmc.plugins.paged_attention import PLUGIN_ID, PagedBatch
 from paged_cases import Stepper
+from tensorrt_engines import attention_free, build, built_engine, trt, wheel  # noqa: F401 (fixtures)
 
 tensorrt_wheel = pytest.importorskip("tensorrt_wheel")
 TENSORRT_MODULES = ("compiler/tensorrt_build.py", "plugins/tensorrt_plugin.py", "runtime/backends/tensorrt.py")
-GPU = {"name": "NVIDIA H200", "compute_capability": "9.0"}
-
-
-@pytest.fixture(scope="module")
-def wheel():
-    try:
-        folder = tensorrt_wheel.wheel_folder()
-        tensorrt_wheel.tensorrt_api(folder)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    return folder
-
-
-@pytest.fixture
-def trt(wheel, monkeypatch):
-    """The stand-in, installed as `tensorrt` for one test (the plugin registration reset)."""
-    pytest.importorskip("triton", reason="triton is not installed (the plugin's registration needs it)")
-    from llmc.plugins import tensorrt_plugin
-
-    stub = tensorrt_wheel.StubTensorRT(wheel)
-    for name in [m for m in sys.modules if m == "tensorrt" or m.startswith("tensorrt.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "tensorrt", stub)
-    register = tensorrt_plugin.register_plugin  # a test may replace it
-    register.cache_clear()
-    yield stub
-    register.cache_clear()
-    for name in [m for m in sys.modules if m.startswith("tensorrt.")]:
-        del sys.modules[name]
 
 
 # --- The map and the stand-in refuse what TensorRT 11.4 lacks ------------------------------------------
@@ -231,29 +203,6 @@ def test_an_input_without_a_shape_or_address_fails_the_step(trt, tmp_path):
 
 # --- llmc compile --backend tensorrt through Polygraphy and the stand-in ----------------------------------
 
-@pytest.fixture
-def build(trt, monkeypatch):
-    from llmc.compiler import tensorrt_build
-
-    monkeypatch.setattr(tensorrt_build, "current_gpu", lambda: GPU)
-
-    def compile_(onnx_path, output, **options):
-        lines = []
-        manifest = compile_model(onnx_path, output, backend="tensorrt", tensorrt=TensorRTOptions(**options),
-                                 progress=lines.append)
-        return manifest, lines
-
-    return compile_
-
-
-@pytest.fixture
-def built_engine(build, tiny_llama_onnx, tmp_path):
-    """tiny-llama through `compile_model(backend="tensorrt")` with the stand-in."""
-    manifest, lines = build(tiny_llama_onnx, tmp_path / "engine.plan", workspace_mb=512, hardware_compatible=True,
-                            timing_cache=str(tmp_path / "timing.cache"), max_num_tokens=24)
-    return tmp_path / "engine.plan", manifest, lines
-
-
 def test_compile_builds_what_the_graph_and_options_ask(built_engine, trt):
     path, manifest, lines = built_engine
     engine = read_engine(path)
@@ -370,34 +319,12 @@ def test_deploy_check_of_a_tensorrt_engine(built_engine, monkeypatch, gpu, runs)
 
 # --- The runtime backend on the stand-in's engine -------------------------------------------------------
 
-def _attention_free(description, inputs):
-    """What the tests' engine computes, from the step's layout alone: each token's key = its id +
-    layer, its value minus that; logits row r: [the slot its attention would write (its
-    sequence's cached length + its index), its token id, its position, …]."""
-    ids, positions = inputs["input_ids"][0], inputs["position_ids"][0]
-    starts, cached = inputs["query_start_loc"], inputs["context_lens"]
-    sequence = np.repeat(np.arange(len(cached)), np.diff(starts))
-    slots = cached[sequence] + np.arange(len(ids)) - starts[sequence]
-    layers = sum(1 for t in description["outputs"] if t["name"].startswith("new_key."))
-    shapes = {t["name"]: t["shape"] for t in description["outputs"]}
-    out = {}
-    for layer in range(layers):
-        heads, dim = shapes[f"new_key.{layer}"][1:]
-        out[f"new_key.{layer}"] = np.broadcast_to((ids + layer)[:, None, None], (len(ids), heads, dim))
-        out[f"new_value.{layer}"] = -out[f"new_key.{layer}"]
-    rows = inputs["logits_rows"]
-    logits = np.zeros((1, len(rows), shapes["logits"][2]), np.float32)
-    logits[0, :, 0], logits[0, :, 1], logits[0, :, 2] = slots[rows], ids[rows], positions[rows]
-    out["logits"] = logits
-    return out
-
-
 @pytest.fixture
 def decoder(built_engine, trt):
     from llmc.runtime.backends.registry import attach_cache
     from llmc.runtime.backends.tensorrt import TensorRTBackend
 
-    trt.execute = _attention_free
+    trt.execute = attention_free
     path, _, _ = built_engine
     engine = read_engine(path)
     backend = TensorRTBackend(engine, device="cpu")
@@ -450,7 +377,7 @@ def test_the_pool_is_capped_at_the_profile_and_types_checked(decoder, built_engi
     path, _, _ = built_engine
     profile = json.loads(bytes(read_engine(path).sections["engine.trt"]))["profile"]
     assert decoder.kv.num_blocks == profile["key_cache.0"][2][0]  # 1000 MiB asked
-    trt.execute = _attention_free
+    trt.execute = attention_free
     engine = read_engine(path)
     described = json.loads(bytes(engine.sections["engine.trt"]))
     described["inputs"][0]["dtype"] = "INT32"  # an engine built from another graph
