@@ -9,7 +9,10 @@ Checks, one line each (PASS / FAIL / SKIP with the reason), then a summary; exit
    gate against the ONNX export, on data/pystdlib-text/heldout) passes for a --fp16 and an
    --int8-calib engine;
 3. `llmc bench` on the trained model's TensorRT engine: throughput and TTFT/TPOT p50/p99, and
-   single-request latency (--batch 1).
+   single-request latency (--batch 1);
+4. TensorRT's layer profiler on tiny-llama's engine, as `llmc profile` reads it: an `Engine` made
+   with a `Timeline` records layer times inside every engine call, adding up to no more than
+   the calls' time.
 
 Every command is the CLI a user runs; work files go to a temporary folder (or --work-dir).
 Without TensorRT (the machines this project is lent have a GPU, torch and Triton but no TensorRT)
@@ -116,6 +119,54 @@ def bench(checks: Checks, engine: Path, requests: int = 64) -> None:
                                                                  for k, v in pick.items()))
 
 
+def layer_profile(checks: Checks, engine: Path) -> None:
+    """Generate on `engine` with a timeline; PASS when `layer_profile_problem` finds none."""
+    from llmc.runtime.engine import Engine
+    from llmc.runtime.sampling_params import SamplingParams
+    from llmc.runtime.timeline import Timeline
+
+    timeline = Timeline()
+    try:
+        llm = Engine(engine, timeline=timeline)
+        for prompt in PROMPTS:
+            llm.add_request(prompt, SamplingParams(max_new_tokens=NEW_TOKENS))
+        while llm.has_unfinished():
+            failed = next((output.error for output in llm.step() if output.error is not None), None)
+            if failed is not None:
+                raise failed
+    except Exception as exc:  # any failure is this check's FAIL line
+        checks.record("FAIL", "layer profile", f"{type(exc).__name__}: {exc}")
+        return
+    problem, detail = layer_profile_problem(timeline.spans)
+    checks.record("FAIL" if problem else "PASS", "layer profile", problem or detail)
+
+
+def layer_profile_problem(spans) -> tuple[str | None, str]:
+    """(what is wrong, or None; a summary) of the TensorRT spans of a timeline: layer spans exist,
+    each inside an engine call, and their total is at most the calls' total."""
+    from llmc.runtime.timeline import TENSORRT
+
+    calls = [s for s in spans if s.track == TENSORRT and s.name == "engine call"]
+    layers = [s for s in spans if s.track == TENSORRT and s.args.get("kind") == "layer"]
+    outside = [s for s in layers if not any(c.start_ns <= s.start_ns and s.end_ns <= c.end_ns for c in calls)]
+    layer_ms, call_ms = sum(s.duration_ns for s in layers) / 1e6, sum(s.duration_ns for s in calls) / 1e6
+    totals: dict[str, float] = {}
+    for span in layers:
+        totals[span.name] = totals.get(span.name, 0.0) + span.duration_ns / 1e6
+    slowest = ", ".join(f"{name} {ms:.2f} ms" for name, ms in sorted(totals.items(), key=lambda x: -x[1])[:3])
+    detail = (f"{len(layers)} layer times ({len(totals)} layers) in {len(calls)} engine calls: {layer_ms:.1f} ms of "
+              f"{call_ms:.1f} ms; slowest {slowest}")
+    if not calls:
+        return "no engine call recorded", detail
+    if not layers:
+        return "TensorRT's profiler reported no layer", detail
+    if outside:
+        return f"{len(outside)} layer spans lie outside their engine call ({outside[0].name})", detail
+    if layer_ms > call_ms:
+        return f"the layers take {layer_ms:.2f} ms, more than the engine calls' {call_ms:.2f} ms", detail
+    return None, detail
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", help="keep the engines here (default: a temporary folder)")
@@ -144,6 +195,8 @@ def main(argv=None) -> int:
                 checks.record("FAIL", f"{name}: export", done.stderr.strip().splitlines()[-1])
                 continue
             engine = same_tokens(checks, name, onnx, work)
+            if name == "tiny-llama" and engine is not None:
+                layer_profile(checks, engine)
             if name == "trained":
                 gate(checks, onnx, work, ["--fp16"], "fp16")
                 gate(checks, onnx, work, ["--int8-calib", str(ROOT / "data/pystdlib-text/calib")], "int8")

@@ -24,6 +24,15 @@ larger than the profile's tokens, sequences or logits rows (`Engine.logits` over
 a scheduler budget above the compiled `--max-num-tokens`) runs as consecutive sub-steps, each
 storing its keys and values before the next reads them.
 
+Made with a timeline (`BackendOptions.timeline`, `llmc profile`), the backend records each engine
+call on the "tensorrt" track and attaches TensorRT's layer profiler (`IProfiler`) to its context,
+with `enqueue_emits_profile` off so that the engine's launch stays asynchronous, as trtexec's
+--dumpProfile does: the call asks for the layer times (`report_to_profiler`) once the step's
+stream is done, and records each layer inside the call. TensorRT reports a layer's duration, not
+when it ran: the layers are laid end to end from the launch, in the order reported. Their names
+are TensorRT's layers (the ONNX nodes' names, joined where it fused them: the engine is built
+with detailed profiling verbosity). Without a timeline nothing is attached.
+
 Nothing here has run: no machine this project is built on has TensorRT (README, "TensorRT").
 Its names are checked against TensorRT 11.4's bindings in the test suite, and its bookkeeping
 runs there on the CPU with a stand-in for TensorRT's core.
@@ -43,6 +52,7 @@ from llmc.plugins.paged_attention import PagedBatch
 from llmc.runtime.backends.base import BackendOptions, PoolPlacement
 from llmc.runtime.kv_cache import KvCache
 from llmc.runtime.step_plan import StepPaths, StepPlan
+from llmc.runtime.timeline import TENSORRT
 
 SECTION = "engine.trt"
 
@@ -93,7 +103,7 @@ class TensorRTBackend:
 
     Args:
         engine: a TensorRT engine file (backend "tensorrt").
-        options: unused (CPU threads, the CPU's paths).
+        options: its timeline (the CPU threads and paths are the CPU backend's).
         device: "cuda" (the GPU that runs the engine), or "cpu" for tests with a stand-in for
             TensorRT's core.
     """
@@ -121,6 +131,12 @@ class TensorRTBackend:
             raise LlmcError(f"{engine.path}: TensorRT could not load the engine (its log above says why: a plugin "
                             f"missing from this TensorRT, or a corrupted section)")
         self._context = self._engine.create_execution_context()
+        self.timeline = options.timeline
+        self._layer_times = None
+        if self.timeline.enabled:
+            self._layer_times = layer_profiler(trt)
+            self._context.profiler = self._layer_times
+            self._context.enqueue_emits_profile = False  # the launch stays asynchronous; see `_record_layers`
         names = [self._engine.get_tensor_name(i) for i in range(self._engine.num_io_tensors)]
         inputs = [n for n in names if self._engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self._outputs = [n for n in names if n not in inputs]
@@ -166,6 +182,11 @@ class TensorRTBackend:
 
     def _run(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray) -> np.ndarray:
         """One engine call within the profile: binds the step, runs it, stores its keys and values."""
+        with self.timeline.span("engine call", TENSORRT, tokens=len(tokens), seqs=len(batch.context_lens),
+                                rows=len(rows)):
+            return self._call(tokens, positions, batch, rows)
+
+    def _call(self, tokens: np.ndarray, positions: np.ndarray, batch: PagedBatch, rows: np.ndarray) -> np.ndarray:
         torch = self.torch
         feeds = {"input_ids": tokens[None], "position_ids": positions[None], "block_tables": batch.block_tables,
                  "context_lens": batch.context_lens, "query_start_loc": batch.query_start_loc, "logits_rows": rows}
@@ -184,6 +205,7 @@ class TensorRTBackend:
         # torch's current stream for everything: the input copies before the engine, the stores
         # and block copies after it are then ordered without events.
         stream = torch.cuda.current_stream().cuda_stream if self.device == "cuda" else 0
+        launched = self.timeline.now()
         if not self._context.execute_async_v3(stream):
             raise LlmcError("TensorRT: the engine's step failed (its log above says why)")
         blocks, offsets = batch.slots(self.block_size)
@@ -193,7 +215,24 @@ class TensorRTBackend:
             for part in ("key", "value"):
                 pool = self.pools[f"{part}_cache.{layer}"]
                 pool[index_blocks, :, index_offsets] = outputs[f"new_{part}.{layer}"].to(pool.dtype)
-        return outputs["logits"][0].float().cpu().numpy()  # the copy to the host waits for the stream
+        logits = outputs["logits"][0].float().cpu().numpy()  # the copy to the host waits for the stream
+        if self._layer_times is not None:
+            self._record_layers(launched)
+        return logits
+
+    def _record_layers(self, launched: int) -> None:
+        """TensorRT's layer times of the launch just done, as spans laid end to end from it.
+
+        Asked for after the stream is done (TensorRT times the layers with CUDA events it records
+        in the stream), as trtexec and TensorRT-LLM ask with enqueue_emits_profile off."""
+        if not self._context.report_to_profiler():
+            raise LlmcError("TensorRT: the layer profiler reported nothing for the engine call (its log above says "
+                            "why)")
+        start = launched
+        for name, ms in self._layer_times.take():
+            end = start + round(ms * 1e6)
+            self.timeline.add(name, TENSORRT, start, end, kind="layer", placed="end to end from the launch")
+            start = end
 
     def _set_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Set an input's shape; one line naming it and the profile's range when TensorRT refuses."""
@@ -231,6 +270,25 @@ class TensorRTBackend:
         if data_type not in types:
             raise LlmcError(f"TensorRT engine output of type {data_type}: not one llmc reads")
         return types[data_type]
+
+
+def layer_profiler(trt):
+    """A TensorRT `IProfiler` that keeps the (layer name, milliseconds) it is given until `take()`."""
+
+    class LayerTimes(trt.IProfiler):
+        def __init__(self):
+            trt.IProfiler.__init__(self)  # pybind refuses a subclass that skips it
+            self._times: list[tuple[str, float]] = []
+
+        def report_layer_time(self, layer_name: str, ms: float) -> None:
+            # TensorRT's bindings catch and print what this raises, and go on: keep it to an append.
+            self._times.append((layer_name, ms))
+
+        def take(self) -> list[tuple[str, float]]:
+            times, self._times = self._times, []
+            return times
+
+    return LayerTimes()
 
 
 def deploy_checks(manifest, record) -> None:
