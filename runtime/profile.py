@@ -32,8 +32,9 @@ from typing import Any, Callable
 from llmc.errors import LlmcError
 from llmc.runtime.timeline import ENGINE, KERNEL, ONNXRUNTIME, OPERATOR, TENSORRT, Span, Timeline
 
-# Real text the default prompts are cut from: Python source the test model never saw.
-DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "data" / "pystdlib-text" / "heldout" / "heldout.txt"
+# Real text the default prompts are cut from, shipped with llmc: Python standard library source
+# (the files data/pystdlib-text/heldout holds, which the model trained here never saw).
+DEFAULT_TEXT = Path(__file__).resolve().parent / "text" / "python-source.txt"
 TOP_OPERATORS = 8
 # The parts of a step a report names, in its order; "python" is the step's time outside them.
 PHASES = ("schedule", "plan", "sample", "detokenize")
