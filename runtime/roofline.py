@@ -20,6 +20,7 @@ faster than its memory bound says).
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ class MachineLimits:
 
     memory_bytes_per_s: float  # streaming a large fp32 weight once (a 1-row MatMul)
     flops_per_s: float  # fp32 MatMul at a compute-bound size
-    threads: int  # intra-op threads; 0: onnxruntime's default, one per physical core
+    threads: int  # intra-op threads: as asked, else onnxruntime's default (one per physical core)
 
     def as_dict(self) -> dict:
         return {"memory_bytes_per_s": self.memory_bytes_per_s, "flops_per_s": self.flops_per_s,
@@ -82,12 +83,23 @@ def measure_limits(threads: int | None = None, seconds: float = 1.0) -> MachineL
     m, k2, n2 = COMPUTE_SHAPE
     computing = _matmul_seconds(m, k2, n2, threads, seconds)
     return MachineLimits(memory_bytes_per_s=4 * (k + k * n + n) / streaming,
-                         flops_per_s=2 * m * k2 * n2 / computing, threads=threads or 0)
+                         flops_per_s=2 * m * k2 * n2 / computing, threads=threads or _physical_cores())
 
 
 def _streamed_bytes() -> int:
     """The weight the bandwidth is measured over: four times the last-level cache, at least 256 MiB."""
     return max(MIN_STREAMED_BYTES, 4 * _last_level_cache_bytes())
+
+
+def _physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (Linux's topology), else all CPUs."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ():
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        if not (topology / "core_id").is_file():
+            return len(os.sched_getaffinity(0))
+        cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
+    return len(cores) or os.cpu_count() or 1
 
 
 def _last_level_cache_bytes() -> int:

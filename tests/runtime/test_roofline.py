@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -274,6 +275,7 @@ def best_seconds(work, repetitions: int = 5) -> float:
 def test_measured_limits_are_not_beaten_by_numpy_by_more_than_twice():
     limits = measure_limits(seconds=0.2)
     assert 0 < limits.memory_bytes_per_s < math.inf and 0 < limits.flops_per_s < math.inf
+    assert 1 <= limits.threads <= os.cpu_count()
     a, b = np.full((256, 2048), 0.25, np.float32), np.full((2048, 2048), 0.5, np.float32)
     numpy_flops = 2 * 256 * 2048 * 2048 / best_seconds(lambda: a @ b)
     # The machine is shared: a generous margin, but a peak measured wrong by a unit or a
