@@ -32,9 +32,12 @@ from llmc.errors import LlmcError
 @click.option("--url", help="Send the workload to this OpenAI-compatible server (e.g. `llmc serve ENGINE`'s "
               "http://127.0.0.1:8000) as streamed requests instead of running ENGINE here; ENGINE still draws it.")
 @click.option("--model", help="With --url: the model name to ask for (default: the server's first).")
+@click.option("--profile", is_flag=True,
+              help="Then run the workload again with the profiler on and add where its time went, per step kind "
+                   "(as `llmc profile`; under \"profile\" with --json).")
 @speculative_tokens_option
 def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_len_max, prompts_file, rate, batch,
-          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot, url, model, speculative_tokens):
+          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot, url, model, profile, speculative_tokens):
     """Serve a synthetic workload with ENGINE (or the server at --url) and report throughput and latency."""
     from llmc.runtime import bench as serving
 
@@ -44,6 +47,9 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
         raise LlmcError("--batch and --rate: choose one (--batch adds requests as others finish)")
     if speculative_tokens is not None and url is not None:
         raise LlmcError("--speculative-tokens: not with --url (the server's own option: llmc serve --speculative-tokens)")
+    if profile and url is not None:
+        raise LlmcError("--profile: not with --url (the server's engine runs in another process: "
+                        "llmc profile ENGINE, or llmc bench ENGINE --profile here)")
 
     prompts = prompts_from((), prompts_file) if prompts_file else None
     if requests is None:
@@ -59,13 +65,28 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
     if plot:
         serving.require_matplotlib()
     share_threads(threads)
-    engine, workload = serving.prepare(existing(engine_path), spec, prompts=prompts, max_num_seqs=max_num_seqs,
-                                       max_num_batched_tokens=max_num_batched_tokens, threads=threads,
-                                       concurrent=batch != 1, speculative_tokens=speculative_tokens)
-    with click.progressbar(length=sum(r.output_len for r in workload), label="llmc bench", file=sys.stderr) as bar:
+    options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "threads": threads,
+               "concurrent": batch != 1, "speculative_tokens": speculative_tokens}
+    engine, workload = serving.prepare(existing(engine_path), spec, prompts=prompts, **options)
+    tokens = sum(r.output_len for r in workload)
+    with click.progressbar(length=tokens, label="llmc bench", file=sys.stderr) as bar:
         result = serving.run_workload(engine, workload, progress=bar.update, concurrency=batch)
     summary = serving.summarize(result)
-    click.echo(json.dumps(summary) if as_json else serving.render(summary))
+    breakdown = None
+    if profile:
+        del engine  # its pool and sessions: the profiled run loads its own
+        with click.progressbar(length=tokens, label="llmc bench --profile", file=sys.stderr) as bar:
+            breakdown = serving.profile_workload(engine_path, workload, concurrency=batch, progress=bar.update,
+                                                 **options)
+    if as_json:
+        click.echo(json.dumps(summary if breakdown is None else {**summary, "profile": breakdown}))
+    else:
+        click.echo(serving.render(summary))
+        if breakdown is not None:
+            from llmc.runtime.profile import render_breakdown
+
+            click.echo("\nwhere the time went (the workload again, under the profiler: read shares, not speeds)")
+            click.echo(render_breakdown(breakdown))
     if plot:
         serving.plot(result, plot, title=f"llmc bench {Path(engine_path).name}: {summary['requests']} requests")
         progress(f"wrote {plot}")

@@ -14,6 +14,9 @@ TPOT is (finish - first token) / (output tokens - 1), per request.
 at once, the next one added (in workload order, arrival times ignored) when one finishes; TTFT
 counts from that moment. N=1 is the single-request view (`llmc bench --batch 1`): each request
 alone in the engine, as a chat user or an agent loop sees it.
+
+`profile_workload` runs a workload again on an engine made with a timeline (`llmc bench
+--profile`, bench/): where its time went, per kind of step (runtime/profile.py).
 """
 
 from __future__ import annotations
@@ -348,30 +351,59 @@ def plot(result: BenchResult, path: str | Path, title: str = "") -> None:
     tmp.replace(path)
 
 
-def prepare(engine_path: str | Path, spec: WorkloadSpec, *, prompts: Sequence[str] | None = None,
-            max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-            threads: int | None = None, concurrent: bool = True, speculative_tokens: int | None = None):
-    """Load an engine and draw the workload; returns (engine, workload) for `run_workload`.
+def load_engine(engine_path: str | Path, *, max_num_seqs: int | None = None,
+                max_num_batched_tokens: int | None = None, threads: int | None = None, concurrent: bool = True,
+                speculative_tokens: int | None = None, timeline=None):
+    """Load an engine for a benchmark.
 
     Args:
         engine_path: a file written by `llmc compile`.
-        spec: the workload.
-        prompts: text prompts to use instead of random token ids (tokenized with the engine's tokenizer).
         max_num_seqs, max_num_batched_tokens: scheduler limits; None keeps SchedulerConfig's defaults.
         threads: CPU threads for the backend; None uses every core.
         concurrent: requests will overlap (not the `--batch 1` view): the engine builds its
             batched path at load, so no measured step waits for it (`Engine`).
         speculative_tokens: `Engine`'s; None: the engine's default.
+        timeline: `Engine`'s: a `Timeline` records every step (a profiled run), None records nothing.
     """
     from llmc.runtime.engine import Engine, SchedulerConfig
 
-    if prompts is not None and not prompts:
-        raise LlmcError("--prompts-file: no prompts in the file")
     limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
                                 ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
     config = SchedulerConfig(**limits) if limits else None  # None: the engine's own defaults
-    engine = Engine(engine_path, config=config, threads=threads, concurrent=concurrent,
-                    speculative_tokens=speculative_tokens)
+    return Engine(engine_path, config=config, threads=threads, concurrent=concurrent,
+                  speculative_tokens=speculative_tokens, timeline=timeline)
+
+
+def prepare(engine_path: str | Path, spec: WorkloadSpec, *, prompts: Sequence[str] | None = None,
+            **options):
+    """Load an engine (`load_engine`'s options) and draw the workload; returns (engine, workload)
+    for `run_workload`.
+
+    Args:
+        engine_path: a file written by `llmc compile`.
+        spec: the workload.
+        prompts: text prompts to use instead of random token ids (tokenized with the engine's tokenizer).
+    """
+    if prompts is not None and not prompts:
+        raise LlmcError("--prompts-file: no prompts in the file")
+    engine = load_engine(engine_path, **options)
     ids = None if prompts is None else [engine.request(p, request_id=str(i)).prompt_ids
                                         for i, p in enumerate(prompts)]
     return engine, make_workload(spec, engine.manifest.geometry.vocab_size, ids)
+
+
+def profile_workload(engine_path: str | Path, workload: Sequence[BenchRequest], *, concurrency: int | None = None,
+                     progress: Callable[[int], None] | None = None, **options) -> dict:
+    """Where `workload`'s time went: the breakdown (runtime/profile.py) of a second run of it on an
+    engine loaded as the timed run's (`load_engine`'s options) with a timeline. The profiler slows
+    what it measures, so the figures come from the run without it and this gives the shares.
+
+    Args:
+        concurrency: as `run_workload`'s.
+        progress: as `run_workload`'s.
+    """
+    from llmc.runtime.profile import profile_run
+
+    return profile_run(lambda timeline: load_engine(engine_path, timeline=timeline, **options),
+                       lambda engine: run_workload(engine, workload, progress, concurrency=concurrency),
+                       threads=options.get("threads"))
