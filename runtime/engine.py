@@ -259,6 +259,7 @@ class Engine:
                 plan = self.planner.plan(chunks, self._lookups)
             if timeline.enabled:
                 step.update(kind=plan.kind, path=plan.path, tokens=len(plan.tokens), seqs=plan.num_seqs,
+                            context=int(np.sum(plan.batch.context_lens)) + len(plan.tokens),
                             attended=plan.attended_positions())
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s", plan)

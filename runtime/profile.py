@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmc.errors import LlmcError
+from llmc.runtime import roofline
 from llmc.runtime.timeline import ENGINE, KERNEL, ONNXRUNTIME, OPERATOR, TENSORRT, Span, Timeline
 
 # Real text the default prompts are cut from, shipped with llmc: Python standard library source
@@ -127,7 +128,7 @@ def summarize(timeline: Timeline, start: int, end: int, limits=None, weights: di
     for step in steps:
         kind = kinds.setdefault(step.args["kind"], {"steps": 0, "wall_ms": 0.0, "tokens": 0, "parts": defaultdict(float),
                                                     "calls": defaultdict(float), "operators": defaultdict(float),
-                                                    "operator_calls": defaultdict(int), "operator_spans": {},
+                                                    "operator_calls": defaultdict(int), "operator_costs": {},
                                                     "cost": None})
         kind["steps"] += 1
         kind["wall_ms"] += step.duration_ns / 1e6
@@ -145,7 +146,11 @@ def summarize(timeline: Timeline, start: int, end: int, limits=None, weights: di
             key = (span.args["op"], _layerless(span.name))
             kind["operators"][key] += ms
             kind["operator_calls"][key] += 1
-            kind["operator_spans"].setdefault(key, span)
+            costs = kind["operator_costs"]
+            if weights is not None and costs.get(key, 0) is not None:  # None: a span of the group has no cost
+                cost = roofline.operator_cost(span.args["op"], span.args.get("input_shapes", []),
+                                              weights.get(span.name), context_tokens=step.args["context"])
+                costs[key] = cost if cost is None or key not in costs else costs[key] + cost
         elif span.track == ENGINE and span.name in PHASES:
             kind["parts"][span.name] += ms
         elif span.track in (ONNXRUNTIME, KERNEL, TENSORRT) and span.args.get("kind") != "layer":
@@ -166,23 +171,15 @@ def summarize(timeline: Timeline, start: int, end: int, limits=None, weights: di
                "parts_ms": {**per_step, "python": max(outside, 0.0)},
                "calls_ms": {call: ms / count for call, ms in sorted(kind["calls"].items())}}
         if limits is not None and kind["cost"] is not None:
-            from llmc.runtime import roofline
-
             row["bound"] = roofline.bound(kind["cost"], limits, kind["wall_ms"] / 1e3)
         ops = sorted(kind["operators"].items(), key=lambda item: -item[1])[:TOP_OPERATORS]
         row["top_operators"] = []
         for (op, label), ms in ops:
             entry = {"op": op, "name": label, "ms_per_step": ms / count,
                      "calls_per_step": kind["operator_calls"][(op, label)] / count}
-            sample = kind["operator_spans"].get((op, label))
-            if limits is not None and weights is not None and sample is not None:
-                from llmc.runtime import roofline
-
-                cost = roofline.operator_cost(op, sample.args.get("input_shapes", []), weights.get(sample.name, {}))
-                if cost is not None:
-                    calls = kind["operator_calls"][(op, label)]
-                    entry["bound"] = roofline.bound(roofline.Cost(cost.bytes * calls, cost.flops * calls), limits,
-                                                    ms / 1e3)
+            cost = kind["operator_costs"].get((op, label))
+            if cost is not None and limits is not None:
+                entry["bound"] = roofline.bound(cost, limits, ms / 1e3)
             row["top_operators"].append(entry)
         report[name] = row
     return report
@@ -210,7 +207,7 @@ def render_breakdown(breakdown: dict) -> str:
         lines.append(f"machine ({machine['threads']} threads, measured): memory {machine['memory_bytes_per_s'] / 1e9:.1f} "
                      f"GB/s, fp32 peak {machine['flops_per_s'] / 1e9:.0f} GFLOP/s")
     for kind, row in breakdown["kinds"].items():
-        bound = f"; {_describe(row['bound'])}" if "bound" in row else ""
+        bound = f"; {roofline.describe(row['bound'])}" if "bound" in row else ""
         lines.append("")
         lines.append(f"{kind}: {row['steps']} steps, {row['step_ms']:.2f} ms/step, "
                      f"{row['tokens_per_step']:.1f} tokens/step{bound}")
@@ -221,16 +218,10 @@ def render_breakdown(breakdown: dict) -> str:
             lines.append(f"  onnxruntime calls: {len(calls)}; slowest " +
                          ", ".join(f"{call} {ms:.2f} ms" for call, ms in calls[:3]))
         for entry in row["top_operators"]:
-            bound = f"  {_describe(entry['bound'])}" if "bound" in entry else ""
+            bound = f"  {roofline.describe(entry['bound'])}" if "bound" in entry else ""
             lines.append(f"    {entry['ms_per_step']:7.3f} ms  {entry['calls_per_step']:5.1f}×  "
                          f"{entry['op']:<22} {entry['name'][:60]}{bound}")
     return "\n".join(lines)
-
-
-def _describe(bound: dict) -> str:
-    from llmc.runtime.roofline import describe
-
-    return describe(bound)
 
 
 def trace_events(timeline: Timeline, start: int, end: int) -> dict:
@@ -262,22 +253,18 @@ def breakdown(engine, start: int, end: int, *, bounds: bool = True, threads: int
     timeline.collect_operators()
     if not bounds:
         return {"kinds": summarize(timeline, start, end)}
-    from llmc.runtime import roofline
     from llmc.runtime.engine import load_engine_file
 
     engine_file = load_engine_file(engine.path, verify=False)
     limits = roofline.measure_limits(threads)
     weights = roofline.graph_weights(engine_file)
-    # The weights a step reads once: the engine's weights section (the segments and the whole
-    # graph share it); a TensorRT engine holds them inside its plan, its largest section.
-    sections = engine_file.sections
-    weight_bytes = len(sections["model.onnx.data"]) if "model.onnx.data" in sections else \
-        max(len(section) for section in sections.values())
+    weight_bytes, params = roofline.model_weights(weights)
     kv_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(engine_file.manifest.paged.kv_dtype, 4)
 
     def step_cost(step: Span):
         return roofline.step_cost(weight_bytes, engine_file.manifest.geometry, step.args["tokens"],
-                                  step.args["attended"], kv_bytes)
+                                  step.args["context"], kv_bytes, params=params, sequences=step.args["seqs"],
+                                  attended=step.args["attended"])
 
     return {"machine": limits.as_dict(), "kinds": summarize(timeline, start, end, limits, weights, step_cost)}
 

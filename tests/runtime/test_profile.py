@@ -36,7 +36,7 @@ def engine(trained_onnx, tmp_path_factory) -> Path:
 def profiled(engine, tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace") / "trace.json"
     result = llmc("profile", engine, "--batch", BATCH, "--prompt-len", PROMPT, "--new-tokens", NEW,
-                  "--speculative-tokens", 0, "--trace", trace, "--json", "--no-bounds")
+                  "--speculative-tokens", 0, "--trace", trace, "--json")
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout.strip().splitlines()[-1]), json.loads(trace.read_text())
 
@@ -56,6 +56,11 @@ def test_report_has_each_step_kind_and_its_parts_add_up(profiled):
         assert row["parts_ms"].get("onnxruntime", 0) > 0, kind
         operators = sum(entry["ms_per_step"] for entry in row["top_operators"])
         assert 0 < operators <= row["parts_ms"]["onnxruntime"], kind
+        # Bounds: the kind's and its matrix products'; the machine measured.
+        assert row["bound"]["bound"] in ("memory", "compute") and row["bound"]["fraction"] > 0, kind
+        products = [entry for entry in row["top_operators"] if entry["op"] == "MatMul"]
+        assert products and all("bound" in entry for entry in products), kind
+    assert report["machine"]["memory_bytes_per_s"] > 0 and report["machine"]["flops_per_s"] > 0
     # The batch's prompts go through the segments and the attention kernel.
     assert any("paged attention" in row["parts_ms"] for row in kinds.values())
 
