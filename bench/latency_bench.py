@@ -37,6 +37,11 @@ alternating too), so that both see the same machine; each uses 2 threads (`--thr
                       with a padding row, one token a step without: their outputs differ by that
                       rounding; tests/runtime/test_speculation.py checks guessing against one token
                       a step padded alike.)
+  where time went     llmc's first fp32 run, after its timed measurements, repeats the batch-1
+                      decode, the first token of a prompt alone and the static batch on engines
+                      with the profiler on (runtime/profile.py's breakdown per step kind), stored
+                      beside those rows' figures; the profiler slows them, so the figures are the
+                      runs' without it
 
 Prompts are fresh random token ids in every request and run (ids ≥ 260, no special tokens; no
 prefix can be cached), EOS ignored (llmc: ignore_eos; genai: min_length = max_length). Rates and
@@ -131,12 +136,12 @@ def _rates(start: float, times: list[list[float]]) -> dict[str, float]:
 
 
 class _LlmcRunner:
-    def __init__(self, path: str, threads: int):
+    def __init__(self, path: str, threads: int, timeline=None):
         from llmc.formats.sessions import share_threads
         from llmc.runtime.engine import Engine
 
         share_threads(threads)  # as `llmc run` does: this process is llmc's own
-        self.engine = Engine(path, threads=threads)
+        self.engine = Engine(path, threads=threads, timeline=timeline)
         self.vocab = self.engine.manifest.geometry.vocab_size
 
     @contextlib.contextmanager
@@ -256,8 +261,32 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("batch"):
         start, times = runner.generate(_prompts(rng, job["batch"], job["prompt"], runner.vocab), job["new_tokens"])
         out["batch_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
-    out["peak_rss_mib"] = _rss_mib("VmHWM")
+    out["peak_rss_mib"] = _rss_mib("VmHWM")  # before the profiled runs' engines load
+    if job.get("profile"):
+        out["profiles"] = _profiles(job, rng)
     return out
+
+
+def _profiles(job: dict[str, Any], rng) -> dict[str, dict]:
+    """Where llmc's time went in the fp32 rows, by the rows' keys: each measurement again (fresh
+    prompts) on an engine made with a timeline, after the same warm-up (runtime/profile.py's
+    breakdown). The profiler slows what it times, so the figures are the runs' above."""
+    from llmc.runtime.profile import profile_run
+
+    def profiled(requests: int, new_tokens: int) -> dict:
+        runner = None
+
+        def make_engine(timeline):
+            nonlocal runner
+            runner = _LlmcRunner(job["path"], job["threads"], timeline)
+            runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), 4)  # warm-up, not profiled
+            return runner.engine
+
+        return profile_run(make_engine, lambda engine: runner.generate(
+            _prompts(rng, requests, job["prompt"], runner.vocab), new_tokens), threads=job["threads"])
+
+    return {"decode_tok_s": profiled(1, job["new_tokens"]), "ttft_ms": profiled(1, 1),
+            "batch_decode_tok_s": profiled(job["batch"], job["new_tokens"])}
 
 
 def _real_text(runner, job: dict[str, Any]) -> dict[str, Any]:
@@ -436,6 +465,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model["llmc_pool_mib"] = {p: pool_mib(built["paths"]["llmc"][p]) for p in precisions}
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {p: [] for p in PRECISIONS} for s in ("llmc", "genai")}
+    profiles: dict[str, dict] = {}  # llmc's fp32 rows' breakdowns, from the first run
     texts = text_prompts(checkpoint) if args.model == "smollm2" and not args.quick else None
     seed = args.seed
     for rep in range(reps):
@@ -447,10 +477,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "seed": seed, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens,
                        "one_token_a_step": True}
                 if precision == "fp32":
-                    job.update(long_prompt=sizes.long_prompt, batch=sizes.batch)
+                    job.update(long_prompt=sizes.long_prompt, batch=sizes.batch,
+                               profile=system == "llmc" and rep == 0)
                 if texts and precision != "int4-sym":
                     job.update(texts=texts, text_tokens=TEXT_TOKENS)
                 result = spawn(job)
+                profiles.update(result.pop("profiles", {}))
                 runs[system][precision].append(result)
                 log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
                     f"{k} {v}" for k, v in result.items() if not k.endswith("_outputs")))
@@ -483,6 +515,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratio = round(mine / theirs, 2) if mine and theirs else None
         table.append({"measure": label, "key": key, "precision": precision, "llmc": mine, "genai": theirs,
                       "ratio": ratio, "higher_is_better": higher})
+        if precision == "fp32" and key in profiles:
+            table[-1]["profile"] = profiles[key]
     agreement = {p: _agreement(runs, p) for p in ("fp32", "int4")} if texts else None
     s = built["seconds"]
     for label, mine, theirs in (

@@ -110,6 +110,37 @@ def provenance(result: Result) -> list[str]:
         ["A quick run (`--quick`): smoke-test sizes, not a measurement.", ""] if result.get("quick", default=False) else [])
 
 
+def time_went(row: str, profile: dict[str, Any]) -> list[str]:
+    """Where llmc's time went in one row's measurement, from the breakdown of its profiled second
+    run (runtime/profile.py): per step kind, the time of a step, its three largest parts, its
+    bound on this machine and its slowest operator."""
+    rows = []
+    for kind, entry in profile["kinds"].items():
+        step_ms = entry["step_ms"]
+        parts = sorted(entry["parts_ms"].items(), key=lambda item: -item[1])[:3]
+        top = entry["top_operators"][0] if entry["top_operators"] else None
+        rows.append([kind, str(entry["steps"]), num(step_ms),
+                     ", ".join(f"{part} {ms / step_ms:.0%}" for part, ms in parts),
+                     _bound(entry["bound"]) if "bound" in entry else "-",
+                     # a Markdown cell: a node name's "|" would end it
+                     f"{top['op']} `{top['name'].replace('|', '/')}`: {num(top['ms_per_step'])} ms" if top else "-"])
+    lines = ["", f"Where llmc's time went: {row} (the measurement again under the profiler, which slows it: "
+                 "read the shares, not the speed).", ""]
+    lines += table(["step", "steps", "ms/step", "largest parts", "bound", "slowest operator"], rows, text_columns=6)
+    machine = profile.get("machine")
+    if machine:
+        lines += ["", f"Bounds from the machine's limits measured in that run ({machine['threads']} threads): memory "
+                      f"{num(machine['memory_bytes_per_s'] / 1e9)} GB/s, fp32 peak {num(machine['flops_per_s'] / 1e9)} "
+                      "GFLOP/s."]
+    return lines
+
+
+def _bound(bound: dict[str, Any]) -> str:
+    from llmc.runtime.roofline import describe
+
+    return describe(bound)
+
+
 # --- one renderer per benchmark --------------------------------------------------------------
 
 
@@ -125,6 +156,9 @@ def render_latency(result: Result) -> list[str]:
                           "greedy outputs token for token onnxruntime-genai's."]
     for what, error in (result.get("build_errors", default=None) or {}).items():
         lines += ["", f"Build failed: {what}: {error}"]
+    for row in result.get("table"):
+        if "profile" in row:
+            lines += time_went(row["measure"], row["profile"])
     return lines
 
 
@@ -146,6 +180,9 @@ def render_serving(result: Result) -> list[str]:
                       f"prompt in flight ({num(interference['p99_ratio'])}×)."]
     for name, message in (result.get("errors", default=None) or {}).items():
         lines += ["", f"Failed: {name}: {message}"]
+    for name, system in systems.items():
+        if "profile" in system:
+            lines += time_went(f"{name}, useful tok/s", system["profile"])
     return lines
 
 

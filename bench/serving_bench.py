@@ -24,6 +24,10 @@ Useful output = the requested tokens; tokens a system generates past a request's
   llmc-kv16       llmc with `--kv-cache-dtype fp16` (weights and activations fp32, the KV pool
                   float16; genai's KV stays fp32): not the same precision, so reported beside
 
+llmc's first offline run is followed by the same workload again on an engine with the profiler on:
+where its time went per step kind (runtime/profile.py's breakdown), stored beside llmc's figures
+(the profiler slows what it times: the figures are the runs' without it).
+
 Scenario 2, interference (llmc only): 16 short requests (prompts 32-128, 16 output tokens)
 arriving at Poisson times after t=0, alone and with one 3,000-token prompt (64 output tokens)
 added at t=0. Reported: the short requests' p99 TTFT in both runs and their ratio.
@@ -55,7 +59,8 @@ import hf_baseline  # noqa: E402
 import record  # noqa: E402
 from optimize_bench import DEFAULT_WORK_DIR, ModelSpec, ensure_checkpoint, log  # noqa: E402
 
-from llmc.runtime.bench import BenchRequest, WorkloadSpec, make_workload, run_workload, summarize  # noqa: E402
+from llmc.runtime.bench import (  # noqa: E402
+    BenchRequest, WorkloadSpec, make_workload, profile_workload, run_workload, summarize)
 
 SPEC = ModelSpec(max_positions=4096)
 # What the serving design is held to: throughput against each baseline, p99 TTFT with a long
@@ -169,7 +174,8 @@ def warm_up(engine) -> None:
     run_workload(engine, [BenchRequest(prompt[:16], 8), BenchRequest(prompt[16:], 4, arrival_s=0.001)])
 
 
-def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seats: int | None = None) -> dict[str, Any]:
+def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seats: int | None = None,
+             profile: bool = False) -> dict[str, Any]:
     from llmc.formats.sessions import share_threads
     from llmc.runtime.engine import Engine, SchedulerConfig
 
@@ -189,6 +195,11 @@ def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seat
     result = run_workload(engine, workload, progress)
     summary = summarize(result)
     summary["config"] = dataclasses.asdict(engine.config)
+    if profile:
+        del engine  # its pool and sessions: the profiled run loads its own
+        log("  llmc: the workload again, profiled")
+        summary["profile"] = profile_workload(engine_path, workload, max_num_seqs=seats, threads=threads,
+                                              concurrent=True)
     return summary
 
 
@@ -226,7 +237,7 @@ def child(job: dict[str, Any]) -> Any:
         return run_interference(Path(job["engine"]), shorts, mixed, job["threads"])
     workload = offline_workload(scale, job["seed"], special)
     if job["run"] == "llmc":
-        return run_llmc(Path(job["engine"]), workload, job["threads"], job.get("seats"))
+        return run_llmc(Path(job["engine"]), workload, job["threads"], job.get("seats"), job.get("profile", False))
     return run_genai(Path(job["folder"]), workload, job["threads"], job["pad"], job["group"])
 
 
@@ -346,14 +357,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for round_ in range(args.rounds):
         for name in (list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]):
-            summary = attempt(name, lambda name=name: in_fresh_process(CHILD, {**jobs[name], **recipe}))
+            job = {**jobs[name], **recipe, "profile": name == "llmc" and round_ == 0}
+            summary = attempt(name, lambda job=job: in_fresh_process(CHILD, job))
             if summary is not None:
                 runs[name].append(summary)
     for name, done in runs.items():
         if done:
+            profiles = [summary.pop("profile") for summary in done if "profile" in summary]
             ordered = sorted(done, key=lambda summary: summary["throughput_tok_s"])
             systems[name] = {**ordered[(len(ordered) - 1) // 2],
-                             "rounds_tok_s": [summary["throughput_tok_s"] for summary in done]}
+                             "rounds_tok_s": [summary["throughput_tok_s"] for summary in done],
+                             **({"profile": profiles[0]} if profiles else {})}
     interference = attempt("interference", lambda: in_fresh_process(
         CHILD, {"run": "interference", "engine": str(built["llmc_engine"]), **recipe}))
     requests = [(r.prompt, r.output_len) for r in workload]

@@ -176,3 +176,44 @@ def test_repository_results_match_their_json():
     done = subprocess.run([sys.executable, str(REPO / "bench" / "results.py"), "--check"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# A breakdown as runtime/profile.py's `breakdown` gives it (one kind with a bound, one without).
+PROFILE = {"machine": {"threads": 2, "memory_bytes_per_s": 12.5e9, "flops_per_s": 150e9},
+           "kinds": {"prefill": {"steps": 1, "step_ms": 40.0, "tokens_per_step": 128.0,
+                                 "parts_ms": {"onnxruntime": 30.0, "paged attention": 6.0, "python": 3.0,
+                                              "sample": 1.0},
+                                 "calls_ms": {}, "bound": {"memory_s": 0.001, "compute_s": 0.015, "bound": "compute",
+                                                           "fraction": 0.375},
+                                 "top_operators": [{"op": "MatMul", "name": "/model/layers.*/mlp/down_proj/MatMul",
+                                                    "ms_per_step": 9.5, "calls_per_step": 6.0}]},
+                     "decode b1": {"steps": 127, "step_ms": 10.0, "tokens_per_step": 1.0,
+                                   "parts_ms": {"onnxruntime": 6.0, "python": 2.0, "sample": 1.0, "schedule": 0.5,
+                                                "detokenize": 0.5},
+                                   "calls_ms": {}, "top_operators": []}}}
+
+
+def test_a_profiled_row_gets_where_llmc_s_time_went_and_others_render_as_before(tree):
+    folder, output, _ = tree
+    assert run(tree) == 0
+    before = output.read_text()
+    latency, serving = copy.deepcopy(LATENCY), copy.deepcopy(SERVING)
+    latency["table"][0]["profile"] = PROFILE
+    serving["systems"]["llmc"]["profile"] = {"kinds": PROFILE["kinds"]}  # measured without bounds
+    (folder / "latency_smollm2.json").write_text(json.dumps(latency))
+    (folder / "serving.json").write_text(json.dumps(serving))
+    assert run(tree) == 0
+    text = output.read_text()
+    section = text.split("## Latency")[1].split("\n## ")[0]
+    assert "Where llmc's time went: decode, batch 1, fp32 (tok/s) (the measurement again under the profiler" in section
+    assert ("| prefill | 1 | 40 | onnxruntime 75%, paged attention 15%, python 8% | compute-bound at 38% of peak "
+            "| MatMul `/model/layers.*/mlp/down_proj/MatMul`: 9.5 ms |") in section
+    assert "| decode b1 | 127 | 10 | onnxruntime 60%, python 20%, sample 10% | - | - |" in section
+    assert "(2 threads): memory 12.5 GB/s, fp32 peak 150 GFLOP/s." in section
+    assert section.count("Where llmc's time went") == 1  # the other rows have no profile
+    serving_section = text.split("## Serving")[1].split("\n## ")[0]
+    assert "Where llmc's time went: llmc, useful tok/s" in serving_section
+    assert "GFLOP/s" not in serving_section
+    # the rest of each section is what it was without a profile
+    strip = lambda part: part.split("\nWhere llmc's time went")[0]  # noqa: E731
+    assert [strip(part) for part in text.split("\n## ")] == [strip(part) for part in before.split("\n## ")]
