@@ -272,6 +272,9 @@ def _profiles(job: dict[str, Any], rng) -> dict[str, dict]:
     prompts) on an engine made with a timeline, after the same warm-up (runtime/profile.py's
     breakdown). The profiler slows what it times, so the figures are the runs' above."""
     from llmc.runtime.profile import profile_run
+    from llmc.runtime.roofline import measure_limits
+
+    limits = measure_limits(job["threads"])  # once: the three profiles' bounds share one measure
 
     def profiled(requests: int, new_tokens: int) -> dict:
         runner = None
@@ -283,7 +286,7 @@ def _profiles(job: dict[str, Any], rng) -> dict[str, dict]:
             return runner.engine
 
         return profile_run(make_engine, lambda engine: runner.generate(
-            _prompts(rng, requests, job["prompt"], runner.vocab), new_tokens), threads=job["threads"])
+            _prompts(rng, requests, job["prompt"], runner.vocab), new_tokens), limits=limits)
 
     return {"decode_tok_s": profiled(1, job["new_tokens"]), "ttft_ms": profiled(1, 1),
             "batch_decode_tok_s": profiled(job["batch"], job["new_tokens"])}

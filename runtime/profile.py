@@ -245,10 +245,11 @@ def trace_events(timeline: Timeline, start: int, end: int) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def breakdown(engine, start: int, end: int, *, bounds: bool = True, threads: int | None = None) -> dict:
+def breakdown(engine, start: int, end: int, *, bounds: bool = True, threads: int | None = None,
+              limits: roofline.MachineLimits | None = None) -> dict:
     """`summarize` of an engine made with a timeline, over [start, end] of its clock: the
-    operators collected, and with `bounds` the machine's limits measured (about 2 s) and each
-    row's bound set beside it. {"machine": ..., "kinds": ...}, JSON-ready."""
+    operators collected, and with `bounds` each row's bound set beside it, from `limits` or
+    from the machine's limits measured now (about 2 s). {"machine": ..., "kinds": ...}, JSON-ready."""
     timeline = engine.timeline
     timeline.collect_operators()
     if not bounds:
@@ -256,7 +257,7 @@ def breakdown(engine, start: int, end: int, *, bounds: bool = True, threads: int
     from llmc.runtime.engine import load_engine_file
 
     engine_file = load_engine_file(engine.path, verify=False)
-    limits = roofline.measure_limits(threads)
+    limits = limits or roofline.measure_limits(threads)
     weights = roofline.graph_weights(engine_file)
     weight_bytes, params = roofline.model_weights(weights)
     kv_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(engine_file.manifest.paged.kv_dtype, 4)
@@ -270,16 +271,17 @@ def breakdown(engine, start: int, end: int, *, bounds: bool = True, threads: int
 
 
 def profile_run(make_engine: Callable[[Timeline], Any], run: Callable[[Any], None], *, bounds: bool = True,
-                threads: int | None = None) -> dict:
+                threads: int | None = None, limits: roofline.MachineLimits | None = None) -> dict:
     """The breakdown of `run(engine)` on an engine `make_engine(timeline)` builds for it: how a
     benchmark attaches where its time went (`llmc bench --profile`, bench/). The profiler slows
     what it measures (onnxruntime stamps every operator: a small model's batch-1 decode ran 2×
-    slower), so a benchmark times its figures on an engine without one and profiles a second run."""
+    slower), so a benchmark times its figures on an engine without one and profiles a second run.
+    A benchmark profiling several runs measures the machine once and passes `limits`."""
     timeline = Timeline()
     engine = make_engine(timeline)
     start = timeline.now()
     run(engine)
-    return breakdown(engine, start, timeline.now(), bounds=bounds, threads=threads)
+    return breakdown(engine, start, timeline.now(), bounds=bounds, threads=threads, limits=limits)
 
 
 def profile_engine(path: str | os.PathLike, spec: ProfileSpec, *, text: str | os.PathLike | None = None,
