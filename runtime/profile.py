@@ -7,7 +7,7 @@ llmc, never trained on by its test model): random token ids make a model repeat 
 flatters prompt-lookup guessing.
 
 Every step is recorded on a `Timeline` (runtime/timeline.py). `summarize` groups the steps by
-kind ("prefill", "decode b1", "decode bN", "mixed bN") and splits each kind's wall time into
+kind ("prefill", "decode b1", "decode bN", "mixed") and splits each kind's wall time into
 scheduling, planning, each onnxruntime call (a segment or the whole graph), the paged-attention
 kernel and its stores, sampling, detokenizing and the Python left between them; lists the
 operators onnxruntime's profiler timed inside those calls; and sets beside each row the machine's

@@ -388,7 +388,9 @@ def bound(cost: Cost, limits: MachineLimits, seconds: float) -> dict:
 
 
 def describe(b: dict) -> str:
-    """`bound`'s result in words: "at 71% of the memory bound", "compute-bound at 38% of peak"."""
-    if b["bound"] == "memory":
-        return f"at {b['fraction']:.0%} of the memory bound"
-    return f"compute-bound at {b['fraction']:.0%} of peak"
+    """`bound`'s result in words: "at 71% of the memory bound", "compute-bound at 38% of peak".
+    Past 100%, the limit was measured low (the machine busier then than during the run) or the
+    work is not what the cost model counts (an int8 product against the fp32 peak): flagged."""
+    text = (f"at {b['fraction']:.0%} of the memory bound" if b["bound"] == "memory"
+            else f"compute-bound at {b['fraction']:.0%} of peak")
+    return text + (" (above the measured limit)" if b["fraction"] > 1 else "")

@@ -72,11 +72,12 @@ class StepPlan:
     @property
     def kind(self) -> str:
         """What the step is, as profiles group steps: "prefill" (prompt chunks only), "decode bN"
-        (a token for each of N sequences, with any guesses), or "mixed bN" (both)."""
+        (a token for each of N sequences, with any guesses), or "mixed" (prompt chunks beside
+        decodes, however many: a batch's prompts arrive beside a growing number of decodes)."""
         prompts = sum(c.count - len(c.draft) > 1 for c in self.chunks)
         if prompts == len(self.chunks):
             return "prefill"
-        return f"{'mixed' if prompts else 'decode'} b{self.num_seqs}"
+        return "mixed" if prompts else f"decode b{self.num_seqs}"
 
     def attended_positions(self) -> int:
         """Positions the step's attention reads, summed over its tokens (a token at position p
