@@ -212,7 +212,8 @@ def render_breakdown(breakdown: dict) -> str:
         lines.append(f"{kind}: {row['steps']} steps, {row['step_ms']:.2f} ms/step, "
                      f"{row['tokens_per_step']:.1f} tokens/step{bound}")
         parts = sorted(row["parts_ms"].items(), key=lambda item: -item[1])
-        lines.append("  " + ", ".join(f"{part} {ms:.2f} ms ({ms / row['step_ms']:.0%})" for part, ms in parts if ms > 0))
+        lines.append("  " + ", ".join(f"{part} {ms:.2f} ms ({ms / row['step_ms']:.0%})" for part, ms in parts
+                                if ms >= 0.005 * row["step_ms"]))  # under half a percent: noise
         if len(row["calls_ms"]) > 1:
             calls = sorted(row["calls_ms"].items(), key=lambda item: -item[1])
             lines.append(f"  onnxruntime calls: {len(calls)}; slowest " +

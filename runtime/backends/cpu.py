@@ -108,7 +108,8 @@ class CpuBackend:
     def run(self, plan: StepPlan) -> np.ndarray:
         if plan.path == WHOLE_GRAPH:
             return self.whole.run(plan)
-        self.kv.synced()  # the segments read the pool
+        with self.timeline.span("sync pool from rows", KERNEL):
+            self.kv.synced()  # the segments read the pool
         attention, sessions = self._segmented()
         batch = plan.batch
         layout = attention.layout(batch, self.windows)

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from llmc.runtime.kv_cache import RowCache
 from llmc.runtime.step_plan import StepPlan
-from llmc.runtime.timeline import OFF, ONNXRUNTIME
+from llmc.runtime.timeline import KERNEL, OFF, ONNXRUNTIME
 
 # Steps of one sequence up to this many tokens (a decode with its guesses) run through arrays
 # bound once per shape; a longer one (a prompt) binds its inputs for the call.
@@ -54,7 +54,9 @@ class WholeGraph:
         pasts, tables = np.asarray(batch.context_lens, np.int64), np.asarray(batch.block_tables)
         starts = np.asarray(batch.query_start_loc)
         totals = pasts + (starts[1:] - starts[:-1])
-        seats = self.rows.seat(tables, pasts)
+        # Seating a sequence that last ran packed copies its keys and values from the pool.
+        with self.timeline.span("seat rows", KERNEL):
+            seats = self.rows.seat(tables, pasts)
         used = int(seats.max()) + 1
         self._bind(used)
         if len(tokens) == batch.num_seqs:  # decodes: a token per sequence
