@@ -17,6 +17,7 @@ system packages), and nothing else:
 The venv is cached under ``$LLMC_TEST_CACHE`` (default ``~/.cache/llmc-tests``), one per running
 environment (keyed by its prefix), built once under a file lock. It imports only the standard
 library, so a bare interpreter can build it (tests/test_optimum_venv.py does, from a fresh venv).
+`helper_python` builds such a venv for any pins (bench/openvino_peer.py's OpenVINO GenAI has one).
 """
 
 from __future__ import annotations
@@ -49,13 +50,29 @@ def optimum_python() -> Path:
     Raises:
         ExporterUnavailable: pip could not install the package (e.g. no registry reachable).
     """
+    return helper_python("optimum", [OPTIMUM_REQUIREMENT])
+
+
+def helper_python(name: str, requirements: list[str], cache: Path = CACHE, unwanted: tuple[str, ...] = ()) -> Path:
+    """The python of a venv over the running environment holding `requirements`, built on first use.
+
+    Args:
+        name: the venv's folder prefix under `cache` (one venv per name and running environment).
+        requirements: pip requirement strings; the venv is rebuilt when they change.
+        cache: where the venv and its lock file live.
+        unwanted: packages pip pulls in as dependencies that must not stay (one whose wheel cannot
+            load beside the running environment's, and that the helper's work never imports).
+
+    Raises:
+        ExporterUnavailable: pip could not install the requirements (e.g. no registry reachable).
+    """
     key = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
-    venv = CACHE / f"optimum-venv-{key}"
+    venv = cache / f"{name}-venv-{key}"
     python = venv / "bin" / "python"
     ready = venv / ".llmc-ready"
-    stamp = f"{OPTIMUM_REQUIREMENT} over {sys.prefix}"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f"optimum-venv-{key}.lock", "w") as lock:
+    stamp = f"{' '.join(requirements)} over {sys.prefix}" + "".join(f" without {package}" for package in unwanted)
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{name}-venv-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if ready.is_file() and ready.read_text() == stamp:
             return python
@@ -64,10 +81,12 @@ def optimum_python() -> Path:
                              check=True, capture_output=True, text=True).stdout.strip()
         lines = [f"import site; site.addsitedir({folder!r})" for folder in running_site_packages()]
         Path(own, "llmc-running-environment.pth").write_text("\n".join(lines) + "\n")
-        install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", OPTIMUM_REQUIREMENT],
+        install = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *requirements],
                                  capture_output=True, text=True)
         if install.returncode:
             last = (install.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ExporterUnavailable(f"pip install {OPTIMUM_REQUIREMENT} failed: {last}")
+            raise ExporterUnavailable(f"pip install {' '.join(requirements)} failed: {last}")
+        if unwanted:
+            subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "--yes", *unwanted], check=True)
         ready.write_text(stamp)
     return python
