@@ -1,4 +1,4 @@
-"""Single-request latency, start-up and build time: llmc against onnxruntime-genai.
+"""Single-request latency, start-up and build time: llmc against onnxruntime-genai and OpenVINO GenAI.
 
 The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench's ModelSpec with
 6 layers and 2,304 positions, random seeded weights), or with `--model smollm2`
@@ -9,8 +9,19 @@ the paged engine) against onnxruntime-genai's model builder (fp32, cpu); then `l
 scheme (`--weights-symmetric` and lm_head int4 by a --precision-config rule). A failed build is
 reported, not fatal (except fp32's).
 
-Every measurement run is a process of its own, llmc and genai alternating (the first of each pair
-alternating too), so that both see the same machine; each uses 2 threads (`--threads`). A run:
+OpenVINO GenAI runs beside them (bench/openvino_peer.py: a venv of its own, `optimum-cli export
+openvino` at fp32 and at int4, asymmetric with groups of 32 as llmc's default int4), in two
+settings: its defaults (bf16 compute on CPUs with avx512_bf16 or AMX) and f32 compute
+(INFERENCE_PRECISION_HINT), each measuring the rows its worker can: batch-1 decode and TTFT, the
+long prompt's TTFT and the static batch (its continuous batching, the requests added together) at
+fp32, batch-1 decode at int4 (not the real-text rows: its worker makes a set number of tokens,
+EOS ignored). A peer that cannot be installed, exported or run is recorded with the reason and the
+benchmark goes on. The machine's AVX-512 and AMX flags are recorded: they
+decide OpenVINO's default precision.
+
+Every measurement run is a process of its own, the systems in turn (the order rotating from run
+to run and precision to precision), so that all see the same machine; each uses 2 threads
+(`--threads`). A run:
 
   load + first token  from the top of the child process (its `import llmc` or
                       `import onnxruntime_genai` included) to the first token of a 16-token prompt
@@ -82,6 +93,11 @@ SHORT_PROMPT = 16  # the load + first token prompt
 # precision/weight_only.py), and onnxruntime-genai's scheme (symmetric, lm_head in int4 too), which
 # separates the speed comparison from those choices; genai's one int4 build runs beside each.
 PRECISIONS = ("fp32", "int4", "int4-sym")
+# OpenVINO GenAI's two settings: system name -> INFERENCE_PRECISION_HINT (None: its default).
+OPENVINO = {"openvino": None, "openvino-f32": "f32"}
+# Its export of each llmc precision: int4 is asymmetric with groups of 32, as llmc's default int4
+# (it keeps the tied lm_head in int8 per channel); it has no build in genai's scheme.
+OPENVINO_WEIGHTS = {"fp32": "fp32", "int4": "int4"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +349,62 @@ def text_prompts(checkpoint: Path) -> list[list[int]]:
     return prompts
 
 
+def spawn_openvino(python: Path, hint: str | None, job: dict[str, Any], vocab: int) -> dict[str, Any]:
+    """`job`'s measurements on OpenVINO GenAI (bench/openvino_peer.py's worker, a process of its
+    own): fresh random prompts from the job's seed, the same sizes as llmc's run."""
+    import numpy as np
+
+    import openvino_peer
+
+    rng = np.random.default_rng(job["seed"])
+    peer = {"model": job["path"], "hint": hint, "threads": job["threads"], "new_tokens": job["new_tokens"],
+            "warmup": _prompts(rng, 1, job["prompt"], vocab)[0], "decode": _prompts(rng, 1, job["prompt"], vocab)[0]}
+    if job.get("long_prompt"):
+        peer["long"] = _prompts(rng, 2, job["long_prompt"], vocab)
+    if job.get("batch"):
+        peer["batch"] = _prompts(rng, job["batch"], job["prompt"], vocab)
+    spawned = time.perf_counter()
+    result = openvino_peer.run_worker(peer, python)
+    result["process_s"] = round(time.perf_counter() - spawned, 2)
+    return result
+
+
+def openvino_models(checkpoint: Path, errors: dict[str, str]) -> tuple[Path | None, dict[str, Path]]:
+    """OpenVINO GenAI's venv python and its exports of `checkpoint` by weights ("fp32", "int4");
+    what could not be installed or exported is an entry in `errors`, not the end of the run."""
+    import openvino_peer
+
+    log("build: OpenVINO GenAI's venv")
+    try:
+        python = openvino_peer.peer_python()
+    except Exception as exc:  # no registry, or pip refused the pins: the peer's rows stay empty
+        errors["OpenVINO GenAI install"] = f"{type(exc).__name__}: {str(exc).strip()}"[:1000]
+        log(f"build: OpenVINO GenAI FAILED: {errors['OpenVINO GenAI install']}")
+        return None, {}
+    models = {}
+    for weights in dict.fromkeys(OPENVINO_WEIGHTS.values()):
+        log(f"build: optimum-cli export openvino {weights} (cached by the checkpoint's hash)")
+        try:
+            models[weights] = openvino_peer.export(checkpoint, weights, python)
+        except Exception as exc:
+            errors[f"OpenVINO GenAI export {weights}"] = f"{type(exc).__name__}: {str(exc).strip()}"[:1000]
+            log(f"build: OpenVINO GenAI {weights} FAILED: {errors[f'OpenVINO GenAI export {weights}']}")
+    return python, models
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's AVX-512 and AMX flags (/proc/cpuinfo): OpenVINO computes in bf16 by default where
+    avx512_bf16 or AMX is there, and int8 kernels differ with VNNI."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        if line.startswith("flags"):
+            return sorted(flag for flag in line.split(":", 1)[1].split() if flag.startswith(("avx512", "amx")))
+    return []
+
+
 def spawn(job: dict[str, Any]) -> dict[str, Any]:
     """Run `child(job)` in a fresh interpreter; OMP_WAIT_POLICY is left for each system to set."""
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
@@ -466,29 +538,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "fp32" not in precisions:
         raise RuntimeError("the fp32 builds failed: " + "; ".join(f"{k}: {v}" for k, v in built["errors"].items()))
     model["llmc_pool_mib"] = {p: pool_mib(built["paths"]["llmc"][p]) for p in precisions}
+    peer_errors: dict[str, str] = {}  # what OpenVINO GenAI could not do, by what: the reason
+    openvino_python, openvino = openvino_models(checkpoint, peer_errors)
+    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
 
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {p: [] for p in PRECISIONS} for s in ("llmc", "genai")}
+    systems = ("llmc", "genai", *OPENVINO)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {p: [] for p in PRECISIONS} for s in systems}
     profiles: dict[str, dict] = {}  # llmc's fp32 rows' breakdowns, from the first run
     texts = text_prompts(checkpoint) if args.model == "smollm2" and not args.quick else None
     seed = args.seed
     for rep in range(reps):
         for precision in precisions:
-            order = ("llmc", "genai") if (rep + PRECISIONS.index(precision)) % 2 == 0 else ("genai", "llmc")
-            for system in order:
+            here = ["llmc", "genai"] + [s for s in OPENVINO if OPENVINO_WEIGHTS.get(precision) in openvino
+                                        and f"{s} {precision}" not in peer_errors]
+            turn = (rep + PRECISIONS.index(precision)) % len(here)
+            for system in here[turn:] + here[:turn]:
                 seed += 1  # fresh prompts in every run
-                job = {"system": system, "path": str(built["paths"][system][precision]), "threads": args.threads,
-                       "seed": seed, "prompt": sizes.prompt, "new_tokens": sizes.new_tokens,
-                       "one_token_a_step": True}
+                path = (openvino[OPENVINO_WEIGHTS[precision]] if system in OPENVINO
+                        else built["paths"][system][precision])
+                job = {"system": system, "path": str(path), "threads": args.threads, "seed": seed,
+                       "prompt": sizes.prompt, "new_tokens": sizes.new_tokens, "one_token_a_step": True}
                 if precision == "fp32":
                     job.update(long_prompt=sizes.long_prompt, batch=sizes.batch,
                                profile=system == "llmc" and rep == 0)
-                if texts and precision != "int4-sym":
-                    job.update(texts=texts, text_tokens=TEXT_TOKENS)
-                result = spawn(job)
-                profiles.update(result.pop("profiles", {}))
+                if system in OPENVINO:
+                    try:
+                        result = spawn_openvino(openvino_python, OPENVINO[system], job, vocab)
+                    except Exception as exc:  # reported; its later runs in this precision are skipped
+                        peer_errors[f"{system} {precision}"] = f"{type(exc).__name__}: {str(exc).strip()}"[:1000]
+                        log(f"run {rep + 1}/{reps} {precision} {system} FAILED: {peer_errors[f'{system} {precision}']}")
+                        continue
+                else:
+                    if texts and precision != "int4-sym":
+                        job.update(texts=texts, text_tokens=TEXT_TOKENS)
+                    result = spawn(job)
+                    profiles.update(result.pop("profiles", {}))
                 runs[system][precision].append(result)
                 log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
-                    f"{k} {v}" for k, v in result.items() if not k.endswith("_outputs")))
+                    f"{k} {v}" for k, v in result.items()
+                    if not k.endswith("_outputs") and k not in ("versions", "scheduler")))
 
     def med(system: str, precision: str, key: str) -> float | None:
         return _median([r.get(key) for r in runs[system][precision]])
@@ -518,6 +606,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratio = round(mine / theirs, 2) if mine and theirs else None
         table.append({"measure": label, "key": key, "precision": precision, "llmc": mine, "genai": theirs,
                       "ratio": ratio, "higher_is_better": higher})
+        for system in OPENVINO:  # None where its worker does not measure the row
+            peer = med(system, precision, (genai_key or [key])[0])
+            table[-1] |= {system: peer, f"ratio_{system}": round(mine / peer, 2) if mine and peer else None}
         if precision == "fp32" and key in profiles:
             table[-1]["profile"] = profiles[key]
     agreement = {p: _agreement(runs, p) for p in ("fp32", "int4")} if texts else None
@@ -531,13 +622,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              s["genai_builder_int4"])):
         ok = mine is not None and theirs is not None
         table.append({"measure": label, "key": "build_s", "precision": "fp32", "llmc": round(mine, 2) if ok else None,
-                      "genai": theirs, "ratio": round(mine / theirs, 2) if ok else None, "higher_is_better": False})
+                      "genai": theirs, "ratio": round(mine / theirs, 2) if ok else None, "higher_is_better": False,
+                      **{key: None for system in OPENVINO for key in (system, f"ratio_{system}")}})
+    versions = next((r["versions"] for s in OPENVINO for p in PRECISIONS for r in runs[s][p]), None)
+    finished = record.finish(began)
+    finished["machine"]["cpu_flags"] = cpu_flags()
     return {
         "benchmark": "latency", "quick": args.quick, "threads": args.threads, "reps": reps,
         "seconds": round(time.perf_counter() - _START, 1),
         "sizes": dataclasses.asdict(sizes), "model": model, "build_s": built["seconds"],
         "table": table, "runs": runs, "build_errors": built["errors"], "real_text_agreement": agreement,
-        "record": record.finish(began),
+        "openvino": {"versions": versions, "settings": OPENVINO, "weights": OPENVINO_WEIGHTS,
+                     "models": {w: str(path) for w, path in openvino.items()}},
+        "peer_errors": peer_errors,
+        "record": finished,
     }
 
 
@@ -570,16 +668,19 @@ def render(result: dict[str, Any]) -> str:
             return "-"
         return f"{value:,.1f}" if value >= 10 else f"{value:.3g}" if value < 1 else f"{value:.2f}"
 
-    rows = [["measure", "llmc", "genai", "llmc ÷ genai"]]
+    def versus(ratio, higher: bool) -> str:
+        if ratio is None:
+            return "-"
+        better = ratio > 1 if higher else ratio < 1
+        return f"{ratio:.2f}" + ("" if ratio == 1 else " (better)" if better else " (worse)")
+
+    peers = [s for s in OPENVINO if any(s in row for row in result["table"])]
+    rows = [["measure", "llmc", "genai", "llmc ÷ genai", *peers, *(f"llmc ÷ {s}" for s in peers)]]
     for row in result["table"]:
-        ratio = row["ratio"]
-        note = ""
-        if ratio is not None:
-            better = ratio > 1 if row["higher_is_better"] else ratio < 1
-            note = "" if ratio == 1 else " (better)" if better else " (worse)"
-        rows.append([row["measure"], fmt(row["llmc"]), fmt(row["genai"]),
-                     "-" if ratio is None else f"{ratio:.2f}{note}"])
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        rows.append([row["measure"], fmt(row["llmc"]), fmt(row["genai"]), versus(row["ratio"], row["higher_is_better"]),
+                     *(fmt(row.get(s)) for s in peers),
+                     *(versus(row.get(f"ratio_{s}"), row["higher_is_better"]) for s in peers)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(rows[0], widths)) + " |")
     lines.append("|" + "|".join("-" * (w + 1) + (":" if i else "-") for i, w in enumerate(widths)) + "|")
     lines += ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -596,6 +697,8 @@ def render(result: dict[str, Any]) -> str:
     peak = {s: _median([r["peak_rss_mib"] for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
     lines.append(f"peak resident (VmHWM) of an fp32 run (MiB): llmc {peak['llmc']}, genai {peak['genai']}")
     lines += [f"FAILED build: {what}: {error}" for what, error in result["build_errors"].items()]
+    lines += [f"OpenVINO GenAI not measured: {what}: {error}" for what, error in result["peer_errors"].items()]
+    lines.append(f"CPU flags: {' '.join(result['record']['machine']['cpu_flags']) or 'no avx512*/amx*'}")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Serving benchmark: llmc's Engine against Hugging Face `generate` and onnxruntime-genai.
+"""Serving benchmark: llmc's Engine against Hugging Face `generate`, onnxruntime-genai and OpenVINO GenAI.
 
 The checkpoint is optimize_bench's ~32M-parameter Llama (random seeded weights), with 4,096
 positions so that a 3,000-token prompt fits. CPU, the same thread count everywhere, each system's
@@ -23,6 +23,13 @@ Useful output = the requested tokens; tokens a system generates past a request's
                   the ranking holds when both batch wider
   llmc-kv16       llmc with `--kv-cache-dtype fp16` (weights and activations fp32, the KV pool
                   float16; genai's KV stays fp32): not the same precision, so reported beside
+  openvino        OpenVINO GenAI's continuous batching (ContinuousBatchingPipeline, its default
+                  scheduler) on `optimum-cli export openvino`'s fp32 model, each request added
+                  at its arrival (bench/openvino_peer.py: a venv and a worker process of its own);
+                  its default precision: bf16 compute on CPUs with avx512_bf16 or AMX (the
+                  machine's AVX-512 and AMX flags are recorded), u8 KV cache
+  openvino-f32    the same with f32 compute (INFERENCE_PRECISION_HINT)
+                  (a peer that cannot be installed or exported is recorded with the reason)
 
 llmc's first offline run is followed by the same workload again on an engine with the profiler on:
 where its time went per step kind (runtime/profile.py's breakdown), stored beside llmc's figures
@@ -57,6 +64,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 import hf_baseline  # noqa: E402
 import record  # noqa: E402
+import openvino_peer  # noqa: E402
+from latency_bench import cpu_flags  # noqa: E402
 from optimize_bench import DEFAULT_WORK_DIR, ModelSpec, ensure_checkpoint, log  # noqa: E402
 
 from llmc.runtime.bench import (  # noqa: E402
@@ -70,6 +79,7 @@ GROUP = 16  # static batch size of hf-static and genai (the engine runs its defa
 # A second, wider setting for both continuous and static batching: llmc with this many seats
 # (same engine, same pool) against genai in groups of this many.
 WIDE = 32  # onnxruntime-genai refuses batches over 32 ("batch_size (64) must be in [1, 32]")
+OPENVINO = {"openvino": None, "openvino-f32": "f32"}  # system name -> INFERENCE_PRECISION_HINT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +287,24 @@ def run_genai(folder: Path, workload: list[BenchRequest], threads: int, pad: int
     return hf_baseline.finish("genai", useful, generated, time.perf_counter() - start, batch=group)
 
 
+def run_openvino(python: Path, model: Path, workload: list[BenchRequest], threads: int,
+                 hint: str | None) -> dict[str, Any]:
+    """The workload through OpenVINO GenAI's continuous batching (bench/openvino_peer.py's worker,
+    a process of its own), after a warm-up request whose prompt starts none of the workload's
+    (warm_up's); figures named as `summarize` names llmc's."""
+    job = {"model": str(model), "threads": threads, "hint": hint, "warmup": list(range(3, 19)),
+           "workload": [{"prompt": r.prompt, "output_len": r.output_len, "arrival_s": r.arrival_s} for r in workload]}
+    out = openvino_peer.run_worker(job, python)
+    done = out.pop("workload")
+    ttfts = np.array([first - r.arrival_s for first, r in zip(done["first_token_s"], workload)]) * 1e3
+    useful = sum(r.output_len for r in workload)  # the worker refuses a count other than the one asked
+    log(f"  {'openvino-' + hint if hint else 'openvino'}: {useful} tokens in {done['wall_s']} s → "
+        f"{done['throughput_tok_s']} tok/s")
+    return {"useful_tokens": useful, "generated_tokens": useful, "seconds": done["wall_s"],
+            "throughput_tok_s": done["throughput_tok_s"],
+            **{f"ttft_ms_p{q}": round(float(np.percentile(ttfts, q)), 3) for q in (50, 90, 99)}, **out}
+
+
 def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[BenchRequest],
                      threads: int) -> dict[str, Any]:
     from llmc.runtime.engine import Engine
@@ -311,6 +339,12 @@ def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[
 
 
 # --- the run ---------------------------------------------------------------------------------
+
+
+def openvino_model(checkpoint: Path) -> tuple[Path, Path]:
+    """OpenVINO GenAI's venv python and its fp32 export of `checkpoint` (bench/openvino_peer.py)."""
+    python = openvino_peer.peer_python()
+    return python, openvino_peer.export(checkpoint, "fp32", python)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -352,13 +386,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  for name, group in (("genai", GROUP), (f"genai-{WIDE}", WIDE))}
     else:
         errors["genai"] = built["genai_error"]
+    log("build: OpenVINO GenAI's venv and export (cached)")
+    try:
+        openvino = openvino_model(checkpoint)
+        jobs |= {name: {"run": "openvino", "hint": hint} for name, hint in OPENVINO.items()}
+    except Exception as exc:  # no registry, or a failed export: both settings' rows say why
+        errors[", ".join(OPENVINO)] = f"install or export: {type(exc).__name__}: {str(exc).strip()}"[:1000]
+        log(f"build: OpenVINO GenAI FAILED: {errors[', '.join(OPENVINO)]}")
     # Rounds in alternating order, each system's median kept: a shared machine's speed drifts
     # within minutes, and alternating spreads the drift over both systems.
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for round_ in range(args.rounds):
         for name in (list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]):
+            if jobs[name]["run"] == "openvino" and name in errors:  # failed once: later rounds would alike
+                continue
             job = {**jobs[name], **recipe, "profile": name == "llmc" and round_ == 0}
-            summary = attempt(name, lambda job=job: in_fresh_process(CHILD, job))
+            if job["run"] == "openvino":
+                summary = attempt(name, lambda job=job: run_openvino(*openvino, workload, args.threads, job["hint"]))
+            else:
+                summary = attempt(name, lambda job=job: in_fresh_process(CHILD, job))
             if summary is not None:
                 runs[name].append(summary)
     for name, done in runs.items():
@@ -386,9 +432,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "llmc-kv16" in systems and "genai" in systems:
         ratios["llmc-kv16_vs_genai"] = round(
             systems["llmc-kv16"]["throughput_tok_s"] / systems["genai"]["throughput_tok_s"], 2)
+    for name in OPENVINO:  # like for like in precision: llmc-kv16 against OpenVINO's defaults too (u8 KV)
+        if "llmc-kv16" in systems and name in systems:
+            ratios[f"llmc-kv16_vs_{name}"] = round(
+                systems["llmc-kv16"]["throughput_tok_s"] / systems[name]["throughput_tok_s"], 2)
     if f"llmc-{WIDE}" in systems and f"genai-{WIDE}" in systems:
         ratios[f"llmc-{WIDE}_vs_genai-{WIDE}"] = round(
             systems[f"llmc-{WIDE}"]["throughput_tok_s"] / systems[f"genai-{WIDE}"]["throughput_tok_s"], 2)
+    finished = record.finish(began)
+    finished["machine"]["cpu_flags"] = cpu_flags()
     return {
         "benchmark": "serving", "quick": args.quick, "seed": args.seed, "rounds": args.rounds, "threads": args.threads,
         "model": {**dataclasses.asdict(SPEC), "parameters": parameters},
@@ -398,7 +450,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "engine": {"paged": built["paged"], "build_s": built["llmc_build_s"]},
         "systems": systems, "ratios": ratios, "interference": interference, "errors": errors,
         "goals": GOALS,
-        "record": record.finish(began),
+        "record": finished,
     }
 
 
@@ -446,6 +498,12 @@ def render(result: dict[str, Any]) -> str:
     if "llmc-kv16_vs_genai" in result["ratios"]:
         lines += [f"with a float16 KV pool (genai's stays fp32): llmc-kv16 is {result['ratios']['llmc-kv16_vs_genai']}× genai"]
     lines += ["goals: " + "; ".join(checks)]
+    for name in OPENVINO:
+        mine, kv16 = result["ratios"].get(f"llmc_vs_{name}"), result["ratios"].get(f"llmc-kv16_vs_{name}")
+        if mine:
+            lines += [f"against OpenVINO GenAI's continuous batching ({name}): llmc is {mine}×"
+                      + (f", llmc-kv16 {kv16}×" if kv16 else "")]
+    lines += [f"CPU flags: {' '.join(result['record']['machine'].get('cpu_flags', [])) or 'no avx512*/amx*'}"]
     lines += [f"FAILED {name}: {message}" for name, message in result["errors"].items()]
     return "\n".join(lines)
 
@@ -459,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every system (default 2)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="offline runs of each llmc and genai system, alternating; the median is reported (default 3)")
+                        help="offline runs of each llmc, genai and OpenVINO system, alternating; the median is reported (default 3)")
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR),
                         help="where the checkpoint is cached and models are built (default bench/.work)")
     argv = sys.argv[1:] if argv is None else argv
