@@ -101,10 +101,13 @@ def provenance(result: Result) -> list[str]:
     started = result.get(*rec, "utc_start", default=None)
     when = f"{started} to {result.get(*rec, 'utc_end')}" if started else result.get(*rec, "utc_end")
     memory = machine.get("memory_gib")
+    # recorded where a peer's default precision depends on them (OpenVINO: bf16 with avx512_bf16 or AMX)
+    flags = machine.get("cpu_flags")
     return ["```bash", result.get(*rec, "command"), "```", "",
             f"- Machine: {result.get(*rec, 'machine', 'cpu')}, {result.get(*rec, 'machine', 'cores')} cores"
             + (f", {memory} GiB memory" if memory else "")
             + f"; 1-minute load average {first(load_start)} at the start, {first(load_end)} at the end",
+            *([f"- CPU flags: {' '.join(flags) if flags else 'none of avx512*, amx*'}"] if flags is not None else []),
             f"- Commit: `{str(commit)[:10]}`" + (" (working tree with uncommitted changes)" if git.get("dirty") else ""),
             f"- UTC: {when}", ""] + (
         ["A quick run (`--quick`): smoke-test sizes, not a measurement.", ""] if result.get("quick", default=False) else [])
@@ -144,12 +147,32 @@ def _bound(bound: dict[str, Any]) -> str:
 # --- one renderer per benchmark --------------------------------------------------------------
 
 
+# OpenVINO GenAI's settings (latency_bench's columns, serving_bench's systems): its defaults and f32 compute.
+OPENVINO = {"openvino": "OpenVINO GenAI", "openvino-f32": "OpenVINO GenAI f32"}
+
+
+def openvino_note(versions: dict[str, str] | None) -> str:
+    """What the OpenVINO GenAI columns or rows ran (bench/openvino_peer.py)."""
+    return (f"OpenVINO GenAI{' ' + versions['openvino-genai'] if versions else ''} on `optimum-cli export openvino`'s "
+            "model, with its defaults, which compute in bf16 where the CPU has "
+            "avx512_bf16 or AMX, and with f32 compute (`INFERENCE_PRECISION_HINT`).")
+
+
 def render_latency(result: Result) -> list[str]:
+    # columns for the peers a file measured: a file from before they ran renders as it did
+    peers = [name for name in OPENVINO if any(name in row for row in result.get("table"))]
     rows = []
     for row in result.get("table"):
         rows.append([row["measure"], num(row.get("llmc")), num(row.get("genai")),
-                     ratio(row.get("llmc"), row.get("genai"))])
-    lines = table(["measure", "llmc", "onnxruntime-genai", "llmc ÷ genai"], rows)
+                     *(num(row.get(name)) for name in peers), ratio(row.get("llmc"), row.get("genai")),
+                     *(ratio(row.get("llmc"), row.get(name)) for name in peers)])
+    lines = table(["measure", "llmc", "onnxruntime-genai", *(OPENVINO[name] for name in peers), "llmc ÷ genai",
+                   *(f"llmc ÷ {OPENVINO[name]}" for name in peers)], rows)
+    if peers:
+        lines += ["", openvino_note((result.get("openvino", default=None) or {}).get("versions"))
+                  + " Its int4: asymmetric, groups of 32. \"-\": a row its runs do not measure."]
+    for what, error in (result.get("peer_errors", default=None) or {}).items():
+        lines += ["", f"Not measured (\"-\" above): {what}: {error}"]
     for precision, agreement in (result.get("real_text_agreement", default=None) or {}).items():
         if agreement:
             lines += ["", f"Real text, {precision}: {agreement['same_as_genai']} of {agreement['prompts']} "
@@ -169,10 +192,16 @@ def render_serving(result: Result) -> list[str]:
     for name, system in systems.items():
         rows.append([name, num(system.get("throughput_tok_s")), num(system.get("ttft_ms_p50")),
                      num(system.get("ttft_ms_p99")), ratio(llmc, system.get("throughput_tok_s"))])
+    failed = {name for key in (result.get("errors", default=None) or {}) for name in key.split(", ")}
+    rows += [[name, "-", "-", "-", "-"] for name in OPENVINO if name in failed and name not in systems]
     workload = result.get("workload")
     lines = [f"{workload['requests']} requests, {workload['prompt_tokens']:,} prompt and "
              f"{workload['output_tokens']:,} output tokens; {result.get('threads')} threads for every system.", ""]
     lines += table(["system", "useful tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "llmc ÷ system"], rows)
+    if any(name in systems for name in OPENVINO):
+        versions = next((systems[name].get("versions") for name in OPENVINO if name in systems), None)
+        lines += ["", f"openvino, openvino-f32: {openvino_note(versions)} Its continuous batching, each request "
+                      "added at its arrival."]
     interference = result.get("interference", default=None)
     if interference:
         lines += ["", f"Interference: the short requests' p99 TTFT is {num(interference['ttft_ms_p99_alone'])} ms alone "

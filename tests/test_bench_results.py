@@ -217,3 +217,59 @@ def test_a_profiled_row_gets_where_llmc_s_time_went_and_others_render_as_before(
     # the rest of each section is what it was without a profile
     strip = lambda part: part.split("\nWhere llmc's time went")[0]  # noqa: E731
     assert [strip(part) for part in text.split("\n## ")] == [strip(part) for part in before.split("\n## ")]
+
+
+def test_openvino_peer_gets_columns_rows_and_the_cpu_flags_while_older_files_render_as_before(tree):
+    folder, output, _ = tree
+    assert run(tree) == 0
+    before = output.read_text()
+    assert "OpenVINO" not in before and "CPU flags" not in before
+    latency, serving = copy.deepcopy(LATENCY), copy.deepcopy(SERVING)
+    latency["record"]["machine"]["cpu_flags"] = ["avx512_bf16", "avx512f", "avx512_vnni"]
+    latency["table"][0] |= {"openvino": 50.0, "openvino-f32": 30.0}
+    latency["table"][3] |= {"openvino": None, "openvino-f32": None}  # a row its worker does not measure
+    latency["openvino"] = {"versions": {"openvino": "2026.4.1", "openvino-genai": "2026.4.1.0"}}
+    latency["peer_errors"] = {"openvino-f32 int4": "RuntimeError: openvino worker exited with 1"}
+    serving["record"]["machine"]["cpu_flags"] = []
+    serving["systems"] |= {"openvino": {"throughput_tok_s": 1000.0, "ttft_ms_p50": 1500.0, "ttft_ms_p99": 4000.0},
+                           "openvino-f32": {"throughput_tok_s": 640.0, "ttft_ms_p50": 2500.0, "ttft_ms_p99": 6000.0}}
+    (folder / "latency_smollm2.json").write_text(json.dumps(latency))
+    (folder / "serving.json").write_text(json.dumps(serving))
+    assert run(tree) == 0
+    text = output.read_text()
+    section = text.split("## Latency")[1].split("\n## ")[0]
+    assert ("| measure | llmc | onnxruntime-genai | OpenVINO GenAI | OpenVINO GenAI f32 | llmc ÷ genai "
+            "| llmc ÷ OpenVINO GenAI | llmc ÷ OpenVINO GenAI f32 |") in section
+    assert "| decode, batch 1, fp32 (tok/s) | 60 | 40 | 50 | 30 | 1.50 | 1.20 | 2.00 |" in section
+    assert "| decode, static batch of 16 (tok/s) | 440 | 550 | - | - | 0.80 | - | - |" in section
+    assert "| load + first token (s) | 1.33 | - | - | - | - | - | - |" in section
+    assert "OpenVINO GenAI 2026.4.1.0 on `optimum-cli export openvino`'s model" in section
+    assert 'Not measured ("-" above): openvino-f32 int4: RuntimeError: openvino worker exited with 1' in section
+    assert "- CPU flags: avx512_bf16 avx512f avx512_vnni\n" in section
+    serving_section = text.split("## Serving")[1].split("\n## ")[0]
+    assert "| openvino | 1,000 | 1,500 | 4,000 | 0.80 |" in serving_section
+    assert "| openvino-f32 | 640 | 2,500 | 6,000 | 1.25 |" in serving_section
+    assert "- CPU flags: none of avx512*, amx*\n" in serving_section
+    # the sections of files without the peer are what they were
+    assert [part for part in text.split("\n## ") if not part.startswith(("Latency", "Serving"))] == \
+        [part for part in before.split("\n## ") if not part.startswith(("Latency", "Serving"))]
+
+
+def test_a_peer_that_could_not_be_installed_renders_dashes_and_the_reason(tree):
+    folder, output, _ = tree
+    reason = "ExporterUnavailable: pip install openvino-genai==2026.4.1.0 failed: no registry"
+    latency, serving = copy.deepcopy(LATENCY), copy.deepcopy(SERVING)
+    for row in latency["table"]:
+        row |= {"openvino": None, "openvino-f32": None}
+    latency["peer_errors"] = {"OpenVINO GenAI install": reason}
+    serving["errors"] = {"openvino, openvino-f32": f"install or export: {reason}"}
+    (folder / "latency_smollm2.json").write_text(json.dumps(latency))
+    (folder / "serving.json").write_text(json.dumps(serving))
+    assert run(tree) == 0
+    text = output.read_text()
+    section = text.split("## Latency")[1].split("\n## ")[0]
+    assert "| decode, batch 1, fp32 (tok/s) | 60 | 40 | - | - | 1.50 | - | - |" in section
+    assert f'Not measured ("-" above): OpenVINO GenAI install: {reason}' in section
+    serving_section = text.split("## Serving")[1].split("\n## ")[0]
+    assert "| openvino | - | - | - | - |" in serving_section and "| openvino-f32 | - | - | - | - |" in serving_section
+    assert f"Failed: openvino, openvino-f32: install or export: {reason}" in serving_section
