@@ -47,6 +47,16 @@ def trained_onnx(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def trained_engine(trained_onnx) -> Path:
+    """The trained model compiled with default options; treat as read-only."""
+    from llmc.compiler.build import compile_model
+
+    path = trained_onnx.parent / "trained.plan"
+    compile_model(trained_onnx, path)
+    return path
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

@@ -26,12 +26,8 @@ def llmc(*args):
 
 
 @pytest.fixture(scope="module")
-def engine(trained_onnx, tmp_path_factory) -> Path:
-    from llmc.compiler.build import compile_model
-
-    path = tmp_path_factory.mktemp("bench-profile") / "trained.plan"
-    compile_model(trained_onnx, path)
-    return path
+def engine(trained_engine) -> Path:
+    return trained_engine
 
 
 def test_profile_covers_the_timed_workload_step_for_step(engine):

@@ -24,12 +24,8 @@ def llmc(*args):
 
 
 @pytest.fixture(scope="module")
-def engine(trained_onnx, tmp_path_factory) -> Path:
-    from llmc.compiler.build import compile_model
-
-    path = tmp_path_factory.mktemp("profile") / "trained.plan"
-    compile_model(trained_onnx, path)
-    return path
+def engine(trained_engine) -> Path:
+    return trained_engine
 
 
 @pytest.fixture(scope="module")
