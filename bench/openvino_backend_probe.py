@@ -2,6 +2,7 @@
 compute where OpenVINO GenAI's lead on batches and prefill comes from? A probe, run before any
 OpenVINO backend is built.
 
+    pip install openvino   # the runtime wheel alone; no llmc extra installs it (a probe, not the product)
     python bench/openvino_backend_probe.py ENGINE [--optimized OPT.onnx] [--rounds 5] [--groups ...]
 
 ENGINE is a paged fp32 engine (`llmc export DIR -o m.onnx; llmc compile m.onnx -o m.plan`),
