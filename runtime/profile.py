@@ -58,8 +58,9 @@ class ProfileSpec:
 
 
 def prompts_from_text(tokenizer, text: str, count: int, length: int, where: str) -> list[list[int]]:
-    """`count` windows of `length` tokens of `text`, one after another (cycled with a shift when
-    the text is too short, which the caller is told through a repeat count in the workload)."""
+    """`count` windows of `length` tokens of `text`, one after another; where the text holds
+    fewer, the windows start again from its beginning, shifted (prompts then share text, which
+    the prefix cache may reuse)."""
     ids = tokenizer.encode(text)
     if len(ids) < length:
         raise LlmcError(f"{where}: {len(ids)} tokens of text; a prompt of --prompt-len {length} needs more")
@@ -80,17 +81,16 @@ def run_profile(engine, spec: ProfileSpec, prompts: list[list[int]],
     if spec.prompt_len + spec.new_tokens > engine.max_seq_len:
         raise LlmcError(f"--prompt-len {spec.prompt_len} + --new-tokens {spec.new_tokens}: more than the engine's "
                         f"{engine.max_seq_len} positions")
-    params = SamplingParams(max_new_tokens=spec.new_tokens, ignore_eos=True)
 
-    def generate(batch: list[list[int]], new_tokens: int) -> None:
+    def generate(batch: list[list[int]], new_tokens: int, report: Callable[[int], None] | None = progress) -> None:
         for prompt in batch:
             engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         while engine.has_unfinished():
             produced = sum(len(output.new_token_ids) for output in engine.step())
-            if progress is not None and new_tokens == params.max_new_tokens:
-                progress(produced)
+            if report is not None:
+                report(produced)
 
-    generate([prompts[-1][:min(16, spec.prompt_len)]], 4)  # first calls of each path: not measured
+    generate([prompts[-1][:min(16, spec.prompt_len)]], 4, report=None)  # first calls of each path: not measured
     start = engine.timeline.now()
     generate(prompts[:1], spec.new_tokens)
     if spec.batch > 1:
@@ -146,21 +146,21 @@ def summarize(timeline: Timeline, start: int, end: int, limits=None, weights: di
             key = (span.args["op"], _layerless(span.name))
             kind["operators"][key] += ms
             kind["operator_calls"][key] += 1
-            costs = kind["operator_costs"]
-            if weights is not None and costs.get(key, 0) is not None:  # None: a span of the group has no cost
+            if weights is not None:  # a group's cost is known only if each of its calls' is
                 cost = roofline.operator_cost(span.args["op"], span.args.get("input_shapes", []),
                                               weights.get(span.name), context_tokens=step.args["context"])
-                costs[key] = cost if cost is None or key not in costs else costs[key] + cost
+                known = kind["operator_costs"].get(key, roofline.Cost(0, 0))
+                kind["operator_costs"][key] = None if cost is None or known is None else known + cost
+        elif span.args.get("kind") == "layer":
+            key = ("layer", _layerless(span.name))
+            kind["operators"][key] += ms
+            kind["operator_calls"][key] += 1
         elif span.track == ENGINE and span.name in PHASES:
             kind["parts"][span.name] += ms
-        elif span.track in (ONNXRUNTIME, KERNEL, TENSORRT) and span.args.get("kind") != "layer":
-            label = "onnxruntime" if span.track == ONNXRUNTIME else span.name
-            kind["parts"][label] += ms
+        elif span.track in (ONNXRUNTIME, KERNEL, TENSORRT):
+            kind["parts"]["onnxruntime" if span.track == ONNXRUNTIME else span.name] += ms
             if span.track == ONNXRUNTIME:
                 kind["calls"][span.name] += ms
-        elif span.args.get("kind") == "layer":
-            kind["operators"][("layer", _layerless(span.name))] += ms
-            kind["operator_calls"][("layer", _layerless(span.name))] += 1
 
     report = {}
     for name, kind in sorted(kinds.items(), key=lambda item: _kind_order(item[0])):
