@@ -405,6 +405,62 @@ def cpu_flags() -> list[str]:
     return []
 
 
+# Each timed row's machine limit: what the row's work costs (runtime/roofline.py's cost model:
+# every weight read once a step, the attended keys and values, 2 FLOPs a parameter a token) at
+# the bandwidth and fp32 peak measured in the same run. Rows of one request decoding at a time
+# (key: the tokens in a step, sequences, each sequence's context: "prompt" + half of "new").
+LIMIT_ROWS = {"decode_tok_s": "decode", "plain_decode_tok_s": "decode", "text_decode_tok_s": "text",
+              "plain_text_decode_tok_s": "text", "batch_decode_tok_s": "batch", "ttft_ms": "prompt",
+              "ttft_long_ms": "long_prompt"}
+
+
+def measure_machine(threads: int) -> dict[str, float]:
+    """The machine's bandwidth and fp32 peak with `threads` threads (runtime/roofline.py)."""
+    from llmc.runtime.roofline import measure_limits
+
+    return measure_limits(threads).as_dict()
+
+
+def row_limits(engine: Path, limits: dict[str, float], sizes: Sizes, text_prompt: float | None) -> dict[str, dict]:
+    """By row key: the fastest the row's work can run on this machine ("value": tok/s for a rate,
+    ms for a time to first token) and what bounds it ("memory" or "compute"), for `engine`'s
+    weights and geometry. A speculating row can pass it: a step then yields several tokens for one
+    read of the weights. `text_prompt`: the real-text prompts' mean length (None: no such rows)."""
+    from llmc.formats.engine_file import read_engine
+    from llmc.runtime.roofline import MachineLimits, bound, graph_weights, head_parameters, model_weights, step_cost
+
+    manifest = read_engine(engine, verify=False).manifest
+    weights = graph_weights(engine)
+    weight_bytes, params = model_weights(weights)
+    head = head_parameters(weights, manifest.geometry.vocab_size)
+    kv_bytes = 2 if manifest.paged is not None and manifest.paged.kv_dtype == "float16" else 4
+    machine = MachineLimits(**limits)
+    shapes = {"decode": (1, 1, sizes.prompt + sizes.new_tokens / 2),
+              "batch": (sizes.batch, sizes.batch, sizes.prompt + sizes.new_tokens / 2),
+              "prompt": (sizes.prompt, 1, sizes.prompt), "long_prompt": (sizes.long_prompt, 1, sizes.long_prompt)}
+    if text_prompt is not None:
+        shapes["text"] = (1, 1, text_prompt + TEXT_TOKENS / 2)
+    out = {}
+    for key, shape in LIMIT_ROWS.items():
+        if shape not in shapes:
+            continue
+        tokens, sequences, context = shapes[shape]
+        cost = step_cost(weight_bytes, manifest.geometry, tokens, round(context * sequences), kv_bytes,
+                         params=params, sequences=sequences, head_params=head, logit_rows=sequences)
+        b = bound(cost, machine, 1.0)
+        seconds = max(b["memory_s"], b["compute_s"])
+        value = seconds * 1e3 if shape.endswith("prompt") else tokens / seconds
+        out[key] = {"value": round(value, 2 if value < 100 else 1), "bound": b["bound"]}
+    return out
+
+
+def share_of_limit(value: float | None, limit: dict | None, higher: bool) -> float | None:
+    """How close `value` comes to the row's limit: 1.0 is as fast as the machine allows."""
+    if not value or not limit:
+        return None
+    return round(value / limit["value"] if higher else limit["value"] / value, 3)
+
+
 def spawn(job: dict[str, Any]) -> dict[str, Any]:
     """Run `child(job)` in a fresh interpreter; OMP_WAIT_POLICY is left for each system to set."""
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
@@ -542,6 +598,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     openvino_python, openvino = openvino_models(checkpoint, peer_errors)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
 
+    limits = [measure_machine(args.threads)]  # again at the end: the larger of each is the limit
     systems = ("llmc", "genai", *OPENVINO)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {p: [] for p in PRECISIONS} for s in systems}
     profiles: dict[str, dict] = {}  # llmc's fp32 rows' breakdowns, from the first run
@@ -578,6 +635,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{k} {v}" for k, v in result.items()
                     if not k.endswith("_outputs") and k not in ("versions", "scheduler")))
 
+    limits.append(measure_machine(args.threads))
+    machine = {key: max(m[key] for m in limits) for key in limits[0]}
+    text_prompt = sum(map(len, texts)) / len(texts) if texts else None
+    ceilings = {p: row_limits(built["paths"]["llmc"][p], machine, sizes, text_prompt) for p in precisions}
+
     def med(system: str, precision: str, key: str) -> float | None:
         return _median([r.get(key) for r in runs[system][precision]])
 
@@ -604,8 +666,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for label, key, precision, higher, *genai_key in rows:
         mine, theirs = med("llmc", precision, key), med("genai", precision, (genai_key or [key])[0])
         ratio = round(mine / theirs, 2) if mine and theirs else None
+        limit = ceilings.get(precision, {}).get(key)
         table.append({"measure": label, "key": key, "precision": precision, "llmc": mine, "genai": theirs,
-                      "ratio": ratio, "higher_is_better": higher})
+                      "ratio": ratio, "higher_is_better": higher, "limit": limit,
+                      "llmc_share_of_limit": share_of_limit(mine, limit, higher)})
         for system in OPENVINO:  # None where its worker does not measure the row
             peer = med(system, precision, (genai_key or [key])[0])
             table[-1] |= {system: peer, f"ratio_{system}": round(mine / peer, 2) if mine and peer else None}
@@ -635,6 +699,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "openvino": {"versions": versions, "settings": OPENVINO, "weights": OPENVINO_WEIGHTS,
                      "models": {w: str(path) for w, path in openvino.items()}},
         "peer_errors": peer_errors,
+        "machine_limits": {"measured": limits, "used": machine},
         "record": finished,
     }
 

@@ -161,13 +161,28 @@ def openvino_note(versions: dict[str, str] | None) -> str:
 def render_latency(result: Result) -> list[str]:
     # columns for the peers a file measured: a file from before they ran renders as it did
     peers = [name for name in OPENVINO if any(name in row for row in result.get("table"))]
+    limits = any("limit" in row for row in result.get("table"))
     rows = []
     for row in result.get("table"):
         rows.append([row["measure"], num(row.get("llmc")), num(row.get("genai")),
                      *(num(row.get(name)) for name in peers), ratio(row.get("llmc"), row.get("genai")),
                      *(ratio(row.get("llmc"), row.get(name)) for name in peers)])
+        if limits:
+            limit, share = row.get("limit"), row.get("llmc_share_of_limit")
+            rows[-1] += [f"{num(limit['value'])} ({limit['bound']})" if limit else "-",
+                         f"{share:.0%}" if share is not None else "-"]
     lines = table(["measure", "llmc", "onnxruntime-genai", *(OPENVINO[name] for name in peers), "llmc ÷ genai",
-                   *(f"llmc ÷ {OPENVINO[name]}" for name in peers)], rows)
+                   *(f"llmc ÷ {OPENVINO[name]}" for name in peers),
+                   *(["machine limit", "llmc of the limit"] if limits else [])], rows)
+    if limits:
+        used = result.get("machine_limits", "used")
+        lines += ["", "Machine limit: the fastest the row's work can run here, from this run's measured bandwidth "
+                  f"({used['memory_bytes_per_s'] / 1e9:.1f} GB/s) and fp32 peak "
+                  f"({used['flops_per_s'] / 1e9:.0f} GFLOP/s), {used['threads']} threads (the better of a "
+                  "measurement before and after the runs): every weight read once a step and the attended keys "
+                  "and values (memory), or 2 FLOPs per parameter per token and the attention's products (compute), "
+                  "whichever takes longer. Speculation passes it (several tokens for one read of the weights); "
+                  "so can a peer computing in bf16 (half the weight bytes, twice the peak with avx512_bf16)."]
     if peers:
         lines += ["", openvino_note((result.get("openvino", default=None) or {}).get("versions"))
                   + " Its int4: asymmetric, groups of 32. \"-\": a row its runs do not measure."]

@@ -260,7 +260,7 @@ class Engine:
             if timeline.enabled:
                 step.update(kind=plan.kind, path=plan.path, tokens=len(plan.tokens), seqs=plan.num_seqs,
                             context=int(np.sum(plan.batch.context_lens)) + len(plan.tokens),
-                            attended=plan.attended_positions())
+                            attended=plan.attended_positions(), rows=len(plan.rows))
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s", plan)
             try:

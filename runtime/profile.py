@@ -261,12 +261,14 @@ def breakdown(engine, start: int, end: int, *, bounds: bool = True, threads: int
     limits = limits or roofline.measure_limits(threads)
     weights = roofline.graph_weights(engine_file)
     weight_bytes, params = roofline.model_weights(weights)
+    head_params = roofline.head_parameters(weights, engine_file.manifest.geometry.vocab_size)
     kv_bytes = {"float32": 4, "float16": 2, "bfloat16": 2}.get(engine_file.manifest.paged.kv_dtype, 4)
 
     def step_cost(step: Span):
         return roofline.step_cost(weight_bytes, engine_file.manifest.geometry, step.args["tokens"],
                                   step.args["context"], kv_bytes, params=params, sequences=step.args["seqs"],
-                                  attended=step.args["attended"])
+                                  attended=step.args["attended"], head_params=head_params,
+                                  logit_rows=step.args["rows"])
 
     return {"machine": limits.as_dict(), "kinds": summarize(timeline, start, end, limits, weights, step_cost)}
 

@@ -164,16 +164,18 @@ def attended_positions(tokens: int, context_tokens: int, sequences: int) -> floa
 
 
 def step_cost(weight_bytes: int, geometry: Geometry, tokens: int, context_tokens: int, kv_element_bytes: int,
-              *, params: int | None = None, sequences: int | None = None, attended: int | None = None) -> Cost:
+              *, params: int | None = None, sequences: int | None = None, attended: int | None = None,
+              head_params: int = 0, logit_rows: int | None = None) -> Cost:
     """One step of the model.
 
     Bytes: every weight read once, the keys and values of the `context_tokens` positions the
     step's sequences attend read once per layer, the step's new keys and values written.
     Activations, logits and the rotary tables are left out (small beside the weights at these
     sizes); so are sliding windows (each layer is taken to read every position).
-    FLOPs: 2 per parameter of the linear layers per token, and attention's 4 * heads * head_dim
-    per attended position per token per layer (QKᵀ and the weighted sum of V); norms, rotary
-    embedding and softmax are left out.
+    FLOPs: 2 per parameter of the linear layers per token (the LM head's per logits row only: a
+    prompt chunk asks for its last row's), and attention's 4 * heads * head_dim per attended
+    position per token per layer (QKᵀ and the weighted sum of V); norms, rotary embedding and
+    softmax are left out.
 
     Args:
         weight_bytes: the weights as stored (an int4 engine's packed bytes and scales); see
@@ -187,14 +189,18 @@ def step_cost(weight_bytes: int, geometry: Geometry, tokens: int, context_tokens
         sequences: sequences in the step; None: one per token (a decode step).
         attended: the positions the step's tokens attend, summed over its tokens, where known
             exactly (`StepPlan.attended_positions`); None: `attended_positions` of the above.
+        head_params: the LM head's parameters among `params` (`head_parameters`).
+        logit_rows: the rows the LM head runs on; None: every token's.
     """
     sequences = tokens if sequences is None else sequences
     params = weight_bytes / 4 if params is None else params
     kv_per_position = 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_dim * kv_element_bytes
     if attended is None:
         attended = attended_positions(tokens, context_tokens, sequences)
+    rows = tokens if logit_rows is None else logit_rows
+    linear = 2 * (params - head_params) * tokens + 2 * head_params * rows
     return Cost(bytes=weight_bytes + kv_per_position * (context_tokens + tokens),
-                flops=2 * params * tokens + 4 * geometry.num_heads * geometry.head_dim * attended * geometry.num_layers)
+                flops=linear + 4 * geometry.num_heads * geometry.head_dim * attended * geometry.num_layers)
 
 
 def model_weights(weights: dict[str, dict]) -> tuple[int, int]:
@@ -210,6 +216,17 @@ def model_weights(weights: dict[str, dict]) -> tuple[int, int]:
         if node["op"] in LINEAR_OPS and (matrix := _weight_matrix(node)):
             params += matrix[0] * matrix[1]
     return sum(read.values()), params
+
+
+def head_parameters(weights: dict[str, dict], vocab_size: int) -> int:
+    """The LM head's parameters from `graph_weights`: the linear layers whose output is a logit
+    per vocabulary entry (once each, as in `model_weights`)."""
+    heads: dict[str, int] = {}
+    for node in weights.values():
+        matrix = _weight_matrix(node) if node["op"] in LINEAR_OPS else None
+        if matrix is not None and matrix[1] == vocab_size:
+            heads[node["weight_names"][0]] = matrix[0] * matrix[1]
+    return sum(heads.values())
 
 
 def _weight_matrix(node: dict) -> tuple[int, int] | None:

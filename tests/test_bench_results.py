@@ -273,3 +273,50 @@ def test_a_peer_that_could_not_be_installed_renders_dashes_and_the_reason(tree):
     serving_section = text.split("## Serving")[1].split("\n## ")[0]
     assert "| openvino | - | - | - | - |" in serving_section and "| openvino-f32 | - | - | - | - |" in serving_section
     assert f"Failed: openvino, openvino-f32: install or export: {reason}" in serving_section
+
+
+def test_latency_rows_get_the_machine_limit_of_their_work(trained_engine):
+    """bench/latency_bench.py's limits, against the model's parameters counted from its config."""
+    latency_bench = _load("latency_bench")
+    config = json.loads((REPO / "data" / "pystdlib-llama" / "config.json").read_text())
+    hidden, inter, layers, vocab = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                       "vocab_size"))
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    body = layers * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter)
+    head = hidden * vocab
+    sizes = latency_bench.Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=1)
+    machine = {"memory_bytes_per_s": 1e10, "flops_per_s": 1e11, "threads": 2}
+    limits = latency_bench.row_limits(trained_engine, machine, sizes, text_prompt=None)
+    assert "text_decode_tok_s" not in limits
+    kv_per_position = 2 * layers * kv_heads * head_dim * 4
+    # batch 1: reading every weight (fp32, the norms beside them: within 5%) and the context's keys and values
+    context = sizes.prompt + sizes.new_tokens / 2
+    read_s = ((body + head) * 4 + kv_per_position * (context + 1)) / 1e10
+    assert limits["decode_tok_s"]["bound"] == "memory"
+    assert limits["decode_tok_s"]["value"] == limits["plain_decode_tok_s"]["value"]
+    assert 1 / read_s / 1.05 < limits["decode_tok_s"]["value"] <= 1 / read_s
+    # a prompt: 2 FLOPs a parameter a token, the LM head on its last row, and causal attention
+    for key, tokens in (("ttft_ms", sizes.prompt), ("ttft_long_ms", sizes.long_prompt)):
+        flops = 2 * body * tokens + 2 * head + 4 * heads * head_dim * layers * tokens * (tokens + 1) / 2
+        assert limits[key]["bound"] == "compute"
+        assert limits[key]["value"] == pytest.approx(flops / 1e11 * 1e3, rel=0.01)
+    assert limits["batch_decode_tok_s"]["value"] > limits["decode_tok_s"]["value"]
+    assert latency_bench.share_of_limit(50.0, {"value": 200.0}, higher=True) == 0.25
+    assert latency_bench.share_of_limit(400.0, {"value": 100.0}, higher=False) == 0.25
+    assert latency_bench.share_of_limit(None, {"value": 100.0}, higher=False) is None
+
+
+def test_latency_limits_render_as_two_columns_and_a_note(tree):
+    folder, output, _ = tree
+    latency = copy.deepcopy(LATENCY)
+    latency["table"][0] |= {"limit": {"value": 80.0, "bound": "memory"}, "llmc_share_of_limit": 0.75}
+    latency["table"][1] |= {"limit": {"value": 1100.0, "bound": "compute"}, "llmc_share_of_limit": 0.4}
+    latency["machine_limits"] = {"used": {"memory_bytes_per_s": 3.55e10, "flops_per_s": 1.98e11, "threads": 2}}
+    (folder / "latency_smollm2.json").write_text(json.dumps(latency))
+    assert run(tree) == 0
+    section = output.read_text().split("## Latency")[1].split("\n## ")[0]
+    assert "| llmc ÷ genai | machine limit | llmc of the limit |" in section
+    assert "| decode, batch 1, fp32 (tok/s) | 60 | 40 | 1.50 | 80 (memory) | 75% |" in section
+    assert "| decode, static batch of 16 (tok/s) | 440 | 550 | 0.80 | 1,100 (compute) | 40% |" in section
+    assert "| load + first token (s) | 1.33 | - | - | - | - |" in section
+    assert "measured bandwidth (35.5 GB/s) and fp32 peak (198 GFLOP/s), 2 threads" in section

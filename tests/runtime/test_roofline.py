@@ -18,7 +18,7 @@ from llmc.errors import LlmcError
 from llmc.formats.engine_file import FileRange, bind_weights, read_engine
 from llmc.formats.manifest import Geometry
 from llmc.runtime.roofline import (ATTENTION_OPS, LINEAR_OPS, Cost, MachineLimits, bound, describe, graph_weights,
-                                   measure_limits, model_weights, operator_cost, step_cost)
+                                   head_parameters, measure_limits, model_weights, operator_cost, step_cost)
 
 MODEL = Path(__file__).resolve().parents[2] / "data" / "pystdlib-llama"
 
@@ -147,6 +147,17 @@ def test_step_cost_reads_the_weights_and_the_kv_once_and_counts_the_causal_atten
             expected_step(weight_bytes, weight_bytes / 4, new, lengths, kv_bytes)
 
 
+def test_the_lm_head_runs_only_on_the_logits_rows():
+    weight_bytes, params, head = 14_000_000, 3_473_408, 2048 * 256
+    new, lengths = [64], [64]  # a prompt's chunk: the head runs on its last row only
+    every_row = step_cost(weight_bytes, GEOMETRY, 64, 64, 4, params=params, sequences=1)
+    last_row = step_cost(weight_bytes, GEOMETRY, 64, 64, 4, params=params, sequences=1, head_params=head,
+                         logit_rows=1)
+    assert last_row.bytes == every_row.bytes
+    assert every_row.flops - last_row.flops == 2 * head * 63
+    assert last_row.flops == pytest.approx(expected_step(weight_bytes, params - head, new, lengths, 4).flops + 2 * head)
+
+
 def test_step_cost_refuses_more_sequences_than_tokens():
     with pytest.raises(LlmcError, match="sequences"):
         step_cost(1000, GEOMETRY, 2, 10, 4, sequences=3)
@@ -221,6 +232,9 @@ def test_model_weights_count_the_linear_layers_parameters_of_the_config(engines)
     assert fp32_params == int4_params == params
     assert params * 4 < fp32_bytes < params * 4 * 1.05  # the norms and rotary tables beside them
     assert params / 2 < int4_bytes < params  # 4 bits a weight, then scales and zero points
+    for precision in ("fp32", "int4"):
+        assert head_parameters(graph_weights(engines[precision]), config["vocab_size"]) == \
+            hidden * config["vocab_size"]
 
 
 def test_graph_weights_refuses_a_file_that_is_no_engine(tmp_path):
