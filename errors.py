@@ -33,6 +33,7 @@ EXTRA_MODULES = {
     "export": {"onnx", "torch", "onnxscript", "onnx_ir", "safetensors", "transformers"},
     "serve": {"starlette", "uvicorn", "prometheus_client", "jinja2"},
     "ray": {"ray"},
+    "openvino": {"openvino"},
     "tensorrt": {"tensorrt", "polygraphy"},
     "gpu": {"triton"},
     "bench": {"httpx", "matplotlib", "onnxruntime_genai"},

@@ -56,6 +56,11 @@ class EngineInspection:
                  f"sha256 {manifest['source']['sha256'][:16]}…)",
                  f"build options {build_options_summary(manifest['build_options'])}",
                  f"kv cache      {kv_cache_summary(manifest)}"]
+        if manifest["backend"] == "openvino":  # the precision this machine gives it, picked at load
+            from llmc.formats.manifest import parse_manifest
+            from llmc.runtime.backends.openvino import compute_precision
+
+            lines.append(f"compute       {compute_precision(parse_manifest(manifest, str(self.path)))[1]}")
         if manifest.get("tensorrt"):
             t = manifest["tensorrt"]
             portable = [kind for kind in ("hardware", "version") if t[f"{kind}_compatible"]]

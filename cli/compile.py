@@ -99,7 +99,10 @@ _TENSORRT_ONLY = ("dry_run", "max_num_tokens", "optimization_level", "timing_cac
 @click.argument("onnx_file", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Engine file to write.")
 @click.option("--backend", default="onnxruntime", show_default=True,
-              help="Runtime the engine targets: onnxruntime (CPU) or tensorrt (NVIDIA GPU).")
+              help="Runtime the engine targets: onnxruntime (CPU), openvino (CPU: one OpenVINO model a step; "
+              "pip install 'llmc[openvino]') or tensorrt (NVIDIA GPU).")
+@click.option("--bf16", is_flag=True, help="--backend openvino: compute in bf16 on CPUs with avx512_bf16 or AMX (f32 "
+              "elsewhere), once its accuracy is checked here (--calib's data, else llmc's general text).")
 @click.option("--tokenizer", type=click.Path(), help="tokenizer.json or its folder (default: embedded or beside the "
               "ONNX file).")
 @pipeline_options
@@ -108,7 +111,8 @@ _TENSORRT_ONLY = ("dry_run", "max_num_tokens", "optimization_level", "timing_cac
 @tensorrt_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout (engine, sha256, backend, "
               "precision, geometry, passes, build time, warnings); progress stays on stderr.")
-def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify, paged, precision, tensorrt, as_json):
+def compile_command(onnx_file, output, backend, bf16, tokenizer, level, passes, verify, paged, precision, tensorrt,
+                    as_json):
     """Compile a decoder ONNX_FILE into one engine file (running the optimization passes first).
 
     Options that cannot go together, or that the others would leave without effect, are refused
@@ -121,7 +125,7 @@ def compile_command(onnx_file, output, backend, tokenizer, level, passes, verify
     _refuse_unread_options(given_options(), target, paged is not None, precision)
     result = compile_model(onnx_file, output, backend=backend, tokenizer=tokenizer, level=level,
                            passes=pass_names(passes), verify=verify, paged=paged, precision=precision,
-                           tensorrt=tensorrt, progress=progress)
+                           tensorrt=tensorrt, bf16=bf16, progress=progress)
     if tensorrt.dry_run:
         if as_json:
             click.echo(json.dumps({"dry_run": True, "backend": backend, **result.tensorrt_check}))

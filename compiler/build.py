@@ -83,7 +83,7 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
                   level: str | int | None = None, passes: Iterable[str] | None = None,
                   verify: bool = False, paged: PagedOptions | None = PagedOptions(),
                   precision: PrecisionOptions = PrecisionOptions(),
-                  tensorrt: TensorRTOptions = TensorRTOptions(),
+                  tensorrt: TensorRTOptions = TensorRTOptions(), bf16: bool = False,
                   progress: Callable[[str], None] = lambda message: None) -> CompileResult:
     """Compile a decoder-with-past ONNX file into an engine file.
 
@@ -103,6 +103,8 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
             (precision/plan.py); the default keeps the exported precision.
         tensorrt: the TensorRT build's options (backend "tensorrt"); with `dry_run` nothing is
             written and the result holds the check ("tensorrt_check") and profile.
+        bf16: allow bf16 compute (backend "openvino", on CPUs with avx512_bf16 or AMX) once
+            precision/bf16.py's check passes on this machine.
     """
     start = time.perf_counter()
     warnings: list[str] = []
@@ -113,16 +115,40 @@ def compile_model(onnx_path: str | os.PathLike, output: str | os.PathLike, *,
         progress(message)
 
     manifest, network, written = _compile(Path(onnx_path), Path(output), find_target(backend), tokenizer, level,
-                                          passes, verify, paged, precision, tensorrt, report_progress)
+                                          passes, verify, paged, precision, tensorrt, bf16, report_progress)
     return CompileResult(manifest, Path(output) if written else None, network, time.perf_counter() - start,
                          tuple(warnings))
 
 
+def _check_bf16(model, precision: PrecisionOptions, held_back, tok, g, large: bool, progress) -> dict | None:
+    """precision/bf16.py's check of `model` on the held-back windows (else llmc's general text);
+    its report, or None where it could not run and --force allowed bf16 unchecked."""
+    from llmc.precision.bf16 import check_bf16
+    from llmc.formats.cpu_features import cpu_flags
+
+    if large:
+        if not precision.force:
+            raise LlmcError("--bf16: the accuracy check runs in memory, which models past 2 GB exceed; --force to "
+                            "allow bf16 unchecked")
+        progress("warning: --bf16 allowed unchecked (--force): the check runs in memory, which models past 2 GB exceed")
+        return None
+    windows = held_back or general_text_windows(tok, g.vocab_size, g.max_positions)
+    report = check_bf16(serialize(model)["model.onnx"], windows, max_ppl_increase=precision.max_ppl_increase,
+                        force=precision.force, flags=cpu_flags(), progress=progress)
+    return None if report is None else report.to_dict()
+
+
 def _compile(onnx_path: Path, output: Path, target: CompileTarget, tokenizer, level, passes, verify, paged: PagedOptions | None,
-             precision: PrecisionOptions, tensorrt: TensorRTOptions,
+             precision: PrecisionOptions, tensorrt: TensorRTOptions, bf16: bool,
              progress: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
     """(manifest, the TensorRT check or None, whether the engine was written)."""
     target.check(paged, tensorrt)
+    if bf16 and target.name != "openvino":
+        raise LlmcError(f"--bf16: only for --backend openvino (--backend {target.name} has no bf16 compute)")
+    if bf16 and precision.fp16:
+        raise LlmcError("--bf16 and --fp16: each sets the compute precision; give one")
+    if paged is not None and paged.block_size is None:
+        paged = dataclasses.replace(paged, block_size=target.block_size)
     resolve(level, passes)  # a bad option fails before the model is read
     mixed = check_options(precision, target.name)
     if precision.weights_block_size is None and not precision.is_default:
@@ -169,6 +195,7 @@ def _compile(onnx_path: Path, output: Path, target: CompileTarget, tokenizer, le
             precision_entry["accuracy"] = accuracy.to_dict()
         elif held_back:
             progress("accuracy not checked: the held-back comparison runs in memory, which models past 2 GB exceed")
+    bf16_accuracy = _check_bf16(model, precision, held_back, tok, g, large, progress) if bf16 else None
     check_against_source(model, onnx_path, exact=exact, level=level, passes=passes,
                          source_ops=source_ops, source_outputs=source_outputs, progress=progress)
     paged_entry, not_paged, single = None, "not requested", None
@@ -200,7 +227,8 @@ def _compile(onnx_path: Path, output: Path, target: CompileTarget, tokenizer, le
         "source": {"file": onnx_path.name, "sha256": source_hash.result(), "nodes": source_nodes},
         "build_options": {"backend": target.name,
                           "level": None if passes is not None else str(DEFAULT_LEVEL if level is None else level),
-                          "passes": [entry["pass"] for entry in report], "verify": verify},
+                          "passes": [entry["pass"] for entry in report], "verify": verify,
+                          **({"compute": "bf16", "bf16_accuracy": bf16_accuracy} if bf16 else {})},
         "optimization": [{k: entry[k] for k in ("pass", "matches", "nodes_after")} for entry in report],
         "precision": precision_entry,
         "paged": paged_entry,

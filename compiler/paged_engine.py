@@ -26,7 +26,7 @@ from llmc.formats.manifest import blocks_in, kv_block_bytes
 from llmc.errors import LlmcError
 from llmc.passes.lower_paged_attention import LowerPagedAttention, to_3d_attention
 from llmc.passes.lower_single_sequence import LowerSingleSequence
-from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
+from llmc.plugins.paged_attention import BLOCK_SIZES
 
 
 POOL_SEQUENCES = 16  # full-length sequences the default pool holds
@@ -39,7 +39,8 @@ class PagedOptions:
     """What the user asked for; validated when the model's geometry is known.
 
     Args:
-        block_size: tokens per block, a power of two from 1 to 256.
+        block_size: tokens per block, a power of two from 1 to 256; None: the backend's (16, or
+            OpenVINO's 32).
         max_batch: sequences one step may hold (the Engine's seats).
         max_seq_len: longest sequence (prompt + output); default the model's positions.
         kv_pool_mb: pool size in MiB; default room for `POOL_SEQUENCES` (or max_batch, if fewer)
@@ -52,7 +53,7 @@ class PagedOptions:
             reads them back rounded in every step, the one that made them included.
     """
 
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None
     # Measured (bench/serving_bench.py): 64 seats served its 64-request workload 15-20% faster
     # than 16, in the same pool.
     max_batch: int = 64
@@ -61,7 +62,7 @@ class PagedOptions:
     kv_dtype: str | None = None
 
     def __post_init__(self):
-        if self.block_size not in BLOCK_SIZES:
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
             raise LlmcError(f"--block-size: {self.block_size} is not supported (powers of two from 1 to 256)")
         if self.max_batch < 1:
             raise LlmcError(f"--max-batch: must be ≥ 1, got {self.max_batch}")

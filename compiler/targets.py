@@ -25,6 +25,7 @@ from llmc.compiler.tensorrt_network import (TensorRTOptions, check_network, map_
 from llmc.errors import LlmcError
 from llmc.formats.manifest import Geometry
 from llmc.formats.onnx_io import engine_weights
+from llmc.plugins.paged_attention import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
 from llmc.precision.dequantize_linear import matmulnbits_as_dequantize
 from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE
@@ -47,6 +48,7 @@ class CompileTarget:
             accuracy gate computes weight products that way too (precision/gate.py).
         weights_block_size: weights per scale for weight-only layers when the options leave it open.
         reads_tensorrt_options: whether `TensorRTOptions` mean anything to this backend.
+        block_size: tokens per KV block when the options leave it open.
     """
 
     name: str
@@ -55,6 +57,7 @@ class CompileTarget:
     float_weight_products: bool
     weights_block_size: int
     reads_tensorrt_options: bool = False
+    block_size: int = KV_BLOCK_SIZE
 
     def check(self, paged: PagedOptions | None, tensorrt: TensorRTOptions) -> None:
         """Refuse, before any work, options this backend would ignore or cannot build."""
@@ -100,6 +103,37 @@ class OnnxRuntimeTarget(CompileTarget):
         paged["segments"], payload = segment_sections(model)
         if single is not None:
             payload[SINGLE_SEQUENCE_SECTION] = single.SerializeToString()
+        payload.update(dense_attention_sections(paged["segments"], geometry, paged["block_size"], paged["kv_dtype"]))
+        return {**payload, "model.onnx.data": weights}
+
+
+@dataclass(frozen=True)
+class OpenVinoTarget(OnnxRuntimeTarget):
+    """OpenVINO on the CPU (runtime/backends/openvino.py): the segments of an onnxruntime engine,
+    joined at load into one OpenVINO model with its own paged attention, which keeps blocks of 32
+    tokens in a float32 (or, under --bf16, bf16) pool."""
+
+    def check(self, paged, tensorrt):
+        super().check(paged, tensorrt)
+        if paged is None:
+            raise LlmcError("--no-paged and --backend openvino: OpenVINO engines are paged (its paged attention)")
+        if paged.block_size not in (None, self.block_size):
+            raise LlmcError(f"--block-size {paged.block_size}: --backend openvino keeps blocks of {self.block_size} "
+                            "tokens (OpenVINO's CPU paged attention)")
+        if paged.kv_dtype not in (None, "float32"):
+            raise LlmcError(f"--kv-cache-dtype: --backend openvino keeps the cache in its compute precision "
+                            f"(float32, or bf16 under --bf16), not {paged.kv_dtype}")
+
+    def payload(self, model, single, paged, geometry, network, manifest, options, progress):
+        weights = engine_weights(model)  # first: it points the graph's references into the engine's section
+        paged["single_sequence"] = None  # one OpenVINO model runs every step
+        paged["segments"], payload = segment_sections(model)
+        for entry in paged["segments"]:
+            attention = entry.get("attention")
+            if attention and attention.get("softcap"):
+                raise LlmcError(f"--backend openvino: attention soft-capping ({attention['softcap']}, "
+                                f"{entry['section']}) has no OpenVINO paged attention; use --backend onnxruntime")
+        # The manifest names each attention's dense form, as on onnxruntime (a few KB each).
         payload.update(dense_attention_sections(paged["segments"], geometry, paged["block_size"], paged["kv_dtype"]))
         return {**payload, "model.onnx.data": weights}
 
@@ -158,6 +192,8 @@ def _registry(*targets: CompileTarget) -> dict[str, CompileTarget]:
 TARGETS = _registry(
     OnnxRuntimeTarget("onnxruntime", outliers="per-token", single_sequence=True, float_weight_products=False,
                       weights_block_size=DEFAULT_BLOCK_SIZE),
+    OpenVinoTarget("openvino", outliers="per-token", single_sequence=False, float_weight_products=False,
+                   weights_block_size=DEFAULT_BLOCK_SIZE, block_size=32),
     # TensorRT has no run-time int8 activation scales: its int8 engines keep those layers'
     # activations in float. Its int4 blocks hold 64 or 128 weights (precision/dequantize_linear.py
     # INT4_BLOCK_SIZES); 64 also divides common hidden sizes (SmolLM2's 576, which 128 does not).

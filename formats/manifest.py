@@ -225,7 +225,12 @@ def build_options_summary(options: dict) -> str:
     """The build options in one line: backend, pass level or list, verify."""
     passes = options.get("passes", [])
     level = f"level {options['level']}" if options.get("level") is not None else "passes " + ",".join(passes)
-    return f"backend {options.get('backend')}, {level} ({len(passes)} passes), verify {options.get('verify')}"
+    summary = f"backend {options.get('backend')}, {level} ({len(passes)} passes), verify {options.get('verify')}"
+    if options.get("compute") == "bf16":
+        accuracy = options.get("bf16_accuracy")
+        summary += (f", bf16 allowed (perplexity {accuracy['ppl_increase_pct']:+.2f}% on {accuracy['tokens']} tokens)"
+                    if accuracy else ", bf16 allowed unchecked (--force)")
+    return summary
 
 
 def build_record(manifest: dict) -> dict:

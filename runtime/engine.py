@@ -56,6 +56,8 @@ SPECULATIVE_TOKENS = 4
 
 def linears_in_fp32(manifest) -> bool:
     precision = manifest.precision
+    if manifest.build_options.get("compute") == "bf16":  # OpenVINO may compute them in bf16
+        return False
     return precision is None or (not precision.get("fp16") and set(precision.get("linears", {}).values()) <= {"fp32"})
 
 

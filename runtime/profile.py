@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from llmc.errors import LlmcError
 from llmc.runtime import roofline
-from llmc.runtime.timeline import ENGINE, KERNEL, ONNXRUNTIME, OPERATOR, TENSORRT, Span, Timeline
+from llmc.runtime.timeline import ENGINE, KERNEL, ONNXRUNTIME, OPENVINO, OPERATOR, TENSORRT, Span, Timeline
 
 # Real text the default prompts are cut from, shipped with llmc: Python standard library source
 # (the files data/pystdlib-text/heldout holds, which the model trained here never saw).
@@ -157,7 +157,7 @@ def summarize(timeline: Timeline, start: int, end: int, limits=None, weights: di
             kind["operator_calls"][key] += 1
         elif span.track == ENGINE and span.name in PHASES:
             kind["parts"][span.name] += ms
-        elif span.track in (ONNXRUNTIME, KERNEL, TENSORRT):
+        elif span.track in (ONNXRUNTIME, KERNEL, TENSORRT, OPENVINO):
             kind["parts"]["onnxruntime" if span.track == ONNXRUNTIME else span.name] += ms
             if span.track == ONNXRUNTIME:
                 kind["calls"][span.name] += ms
@@ -227,9 +227,9 @@ def render_breakdown(breakdown: dict) -> str:
 
 def trace_events(timeline: Timeline, start: int, end: int) -> dict:
     """A Chrome/Perfetto trace (JSON object format) of the measured part: one thread per track
-    (engine steps, onnxruntime calls and their operators, kernel calls, TensorRT layers), times
+    (engine steps, onnxruntime calls and their operators, kernel calls, TensorRT layers, OpenVINO steps), times
     in microseconds from the first event."""
-    tracks = [ENGINE, ONNXRUNTIME, KERNEL, TENSORRT]
+    tracks = [ENGINE, ONNXRUNTIME, KERNEL, TENSORRT, OPENVINO]
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "llmc engine"}}]
     used = set()
     # Longer first among equal starts: a viewer nests an event inside the one listed before it.

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-ENGINE, ONNXRUNTIME, KERNEL, TENSORRT = "engine", "onnxruntime", "kernel", "tensorrt"
+ENGINE, ONNXRUNTIME, KERNEL, TENSORRT, OPENVINO = "engine", "onnxruntime", "kernel", "tensorrt", "openvino"
 OPERATOR = "operator"  # the `kind` of a span that onnxruntime's profiler reported
 
 

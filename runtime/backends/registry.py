@@ -96,6 +96,9 @@ for _entry in (
     BackendEntry("onnxruntime", "llmc.runtime.backends.cpu:CpuBackend",
                  (("onnxruntime", "runs the graphs"), ("numba", "the CPU attention kernel")),
                  "llmc.runtime.backends.cpu:deploy_checks"),
+    BackendEntry("openvino", "llmc.runtime.backends.openvino:OpenVinoBackend",
+                 (("openvino", "runs the engine: pip install 'llmc[openvino]'"),),
+                 "llmc.runtime.backends.openvino:deploy_checks"),
     BackendEntry("tensorrt", "llmc.runtime.backends.tensorrt:TensorRTBackend",
                  (("tensorrt", "builds and runs the engine; pip install 'llmc[tensorrt]' on a machine with an "
                                "NVIDIA GPU"), ("torch", "the KV pool")),
