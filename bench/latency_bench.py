@@ -98,6 +98,9 @@ OPENVINO = {"openvino": None, "openvino-f32": "f32"}
 # Its export of each llmc precision: int4 is asymmetric with groups of 32, as llmc's default int4
 # (it keeps the tied lm_head in int8 per channel); it has no build in genai's scheme.
 OPENVINO_WEIGHTS = {"fp32": "fp32", "int4": "int4"}
+# llmc's own OpenVINO backend (--backend openvino): system name -> its extra compile options, and
+# the OpenVINO GenAI setting it is compared with. Its fp32 engine only.
+LLMC_OPENVINO = {"llmc-openvino": (["--bf16"], "openvino"), "llmc-openvino-f32": ([], "openvino-f32")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +255,7 @@ class _GenaiRunner:
 def child(job: dict[str, Any]) -> dict[str, Any]:
     """One measurement run; `job` names the system, the model and what to measure."""
     # Counted from _T0: the runner's `import llmc` / `import onnxruntime_genai` is part of start-up.
-    runner = (_LlmcRunner if job["system"] == "llmc" else _GenaiRunner)(job["path"], job["threads"])
+    runner = (_LlmcRunner if job["system"].startswith("llmc") else _GenaiRunner)(job["path"], job["threads"])
     loaded = time.perf_counter() - _T0
     import numpy as np
 
@@ -263,7 +266,7 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), 4)  # warm-up, not measured
     start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
     out.update(_rates(start, times))
-    if job["system"] == "llmc" and job.get("one_token_a_step"):
+    if job["system"].startswith("llmc") and job.get("one_token_a_step"):
         with runner.one_token_a_step():
             start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
         out["plain_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
@@ -312,7 +315,7 @@ def _real_text(runner, job: dict[str, Any]) -> dict[str, Any]:
     """The real-text prompts one at a time (llmc: with its default speculation, then without)."""
     out: dict[str, Any] = {}
     passes = [("text", contextlib.nullcontext)]
-    if job["system"] == "llmc":
+    if job["system"].startswith("llmc"):
         passes.append(("plain_text", runner.one_token_a_step))
     for name, setting in passes:
         made, seconds, outputs = 0, 0.0, []
@@ -516,8 +519,12 @@ def build(checkpoint: Path, out: Path) -> dict[str, Any]:
                                         "int4", "--weights-symmetric", "--precision-config", str(lm_head), "--force"],
                                        "llmc compile --weights int4 in genai's scheme", errors),
     }
+    for system, (options, _) in LLMC_OPENVINO.items():
+        seconds[f"{system}_compile"] = timed([*llmc, "compile", str(onnx), "-o", str(out / f"{system}.plan"),
+                                              "--backend", "openvino", *options], f"llmc compile {system}", errors)
     shutil.rmtree(out / "genai-cache", ignore_errors=True)
     paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan", "int4-sym": out / "int4-sym.plan"},
+             **{system: {"fp32": out / f"{system}.plan"} for system in LLMC_OPENVINO},
              "genai": {"fp32": out / "genai-fp32", "int4": out / "genai-int4", "int4-sym": out / "genai-int4"}}
     built = {p: paths["llmc"][p].is_file() and (paths["genai"][p] / "genai_config.json").is_file()
              for p in PRECISIONS}
@@ -599,7 +606,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
 
     limits = [measure_machine(args.threads)]  # again at the end: the larger of each is the limit
-    systems = ("llmc", "genai", *OPENVINO)
+    systems = ("llmc", "genai", *OPENVINO, *LLMC_OPENVINO)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {p: [] for p in PRECISIONS} for s in systems}
     profiles: dict[str, dict] = {}  # llmc's fp32 rows' breakdowns, from the first run
     texts = text_prompts(checkpoint) if args.model == "smollm2" and not args.quick else None
@@ -608,6 +615,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for precision in precisions:
             here = ["llmc", "genai"] + [s for s in OPENVINO if OPENVINO_WEIGHTS.get(precision) in openvino
                                         and f"{s} {precision}" not in peer_errors]
+            here += [s for s in LLMC_OPENVINO if built["paths"][s].get(precision, Path()).is_file()]
             turn = (rep + PRECISIONS.index(precision)) % len(here)
             for system in here[turn:] + here[:turn]:
                 seed += 1  # fresh prompts in every run
@@ -673,6 +681,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for system in OPENVINO:  # None where its worker does not measure the row
             peer = med(system, precision, (genai_key or [key])[0])
             table[-1] |= {system: peer, f"ratio_{system}": round(mine / peer, 2) if mine and peer else None}
+        for system, (_, peer_system) in LLMC_OPENVINO.items():  # its rows beside OpenVINO GenAI's
+            ours, peer = med(system, precision, key), table[-1][peer_system]
+            table[-1] |= {system: ours, f"ratio_{system}": round(ours / peer, 2) if ours and peer else None,
+                          f"{system}_share_of_limit": share_of_limit(ours, limit, higher)}
         if precision == "fp32" and key in profiles:
             table[-1]["profile"] = profiles[key]
     agreement = {p: _agreement(runs, p) for p in ("fp32", "int4")} if texts else None

@@ -186,6 +186,7 @@ def render_latency(result: Result) -> list[str]:
     if peers:
         lines += ["", openvino_note((result.get("openvino", default=None) or {}).get("versions"))
                   + " Its int4: asymmetric, groups of 32. \"-\": a row its runs do not measure."]
+    lines += render_llmc_openvino(result)
     for what, error in (result.get("peer_errors", default=None) or {}).items():
         lines += ["", f"Not measured (\"-\" above): {what}: {error}"]
     for precision, agreement in (result.get("real_text_agreement", default=None) or {}).items():
@@ -198,6 +199,39 @@ def render_latency(result: Result) -> list[str]:
         if "profile" in row:
             lines += time_went(row["measure"], row["profile"])
     return lines
+
+
+# llmc's own OpenVINO backend (latency_bench's LLMC_OPENVINO): system -> (its label, the peer it faces)
+LLMC_OPENVINO = {"llmc-openvino": ("llmc --backend openvino --bf16", "openvino"),
+                 "llmc-openvino-f32": ("llmc --backend openvino", "openvino-f32")}
+
+
+def render_llmc_openvino(result: Result) -> list[str]:
+    """llmc's OpenVINO backend beside OpenVINO GenAI, each setting against its like, for the rows
+    it ran; nothing for a file from before it."""
+    systems = [name for name in LLMC_OPENVINO if any(row.get(name) for row in result.get("table"))]
+    if not systems:
+        return []
+    header, rows = ["measure"], []
+    for name in systems:
+        label, peer = LLMC_OPENVINO[name]
+        header += [label, OPENVINO[peer], "÷"]
+    header += ["machine limit", *(f"{LLMC_OPENVINO[name][0]} of the limit" for name in systems)]
+    for row in result.get("table"):
+        if not any(row.get(name) for name in systems):
+            continue
+        cells = [row["measure"]]
+        for name in systems:
+            cells += [num(row.get(name)), num(row.get(LLMC_OPENVINO[name][1])), ratio(row.get(name),
+                                                                                      row.get(LLMC_OPENVINO[name][1]))]
+        limit = row.get("limit")
+        cells.append(f"{num(limit['value'])} ({limit['bound']})" if limit else "-")
+        cells += [f"{row[f'{name}_share_of_limit']:.0%}" if row.get(f"{name}_share_of_limit") is not None else "-"
+                  for name in systems]
+        rows.append(cells)
+    return ["", "llmc's OpenVINO backend (`llmc compile --backend openvino`, with and without `--bf16`) against "
+            "OpenVINO GenAI with the same compute precision, same run. The machine limit is the fp32 one: bf16 "
+            "reads half the weight bytes and has twice the peak, so bf16 rows can pass it.", ""] + table(header, rows)
 
 
 def render_serving(result: Result) -> list[str]:

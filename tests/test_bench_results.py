@@ -320,3 +320,20 @@ def test_latency_limits_render_as_two_columns_and_a_note(tree):
     assert "| decode, static batch of 16 (tok/s) | 440 | 550 | 0.80 | 1,100 (compute) | 40% |" in section
     assert "| load + first token (s) | 1.33 | - | - | - | - |" in section
     assert "measured bandwidth (35.5 GB/s) and fp32 peak (198 GFLOP/s), 2 threads" in section
+
+
+def test_llmc_openvino_backend_rows_render_beside_openvino_genai(tree):
+    folder, output, _ = tree
+    latency = copy.deepcopy(LATENCY)
+    latency["table"][0] |= {"openvino": 64.0, "openvino-f32": 46.0, "llmc-openvino": 60.0, "llmc-openvino-f32": 48.0,
+                            "limit": {"value": 70.0, "bound": "memory"}, "llmc_share_of_limit": 0.86,
+                            "llmc-openvino_share_of_limit": 0.857, "llmc-openvino-f32_share_of_limit": 0.686}
+    latency["table"][3] |= {"openvino": None, "openvino-f32": None}
+    latency["machine_limits"] = {"used": {"memory_bytes_per_s": 3.8e10, "flops_per_s": 2.0e11, "threads": 2}}
+    (folder / "latency_smollm2.json").write_text(json.dumps(latency))
+    assert run(tree) == 0
+    section = output.read_text().split("## Latency")[1].split("\n## ")[0]
+    assert ("| measure | llmc --backend openvino --bf16 | OpenVINO GenAI | ÷ | llmc --backend openvino "
+            "| OpenVINO GenAI f32 | ÷ | machine limit |") in section
+    assert "| decode, batch 1, fp32 (tok/s) | 60 | 64 | 0.94 | 48 | 46 | 1.04 | 70 (memory) | 86% | 69% |" in section
+    assert section.count("| decode, static batch of 16") == 1  # rows it did not run are left out of its table
