@@ -251,6 +251,12 @@ def render_serving(result: Result) -> list[str]:
         versions = next((systems[name].get("versions") for name in OPENVINO if name in systems), None)
         lines += ["", f"openvino, openvino-f32: {openvino_note(versions)} Its continuous batching, each request "
                       "added at its arrival."]
+    ratios = result.get("ratios", default=None) or {}
+    alike = [f"{name} ÷ {peer}: {num(ratios[f'{name}_vs_{peer}'])}" for name, (_, peer) in LLMC_OPENVINO.items()
+             if f"{name}_vs_{peer}" in ratios]
+    if alike:
+        lines += ["", "llmc's OpenVINO backend (llmc-openvino: `--backend openvino --bf16`; llmc-openvino-f32: without "
+                      "--bf16) against OpenVINO GenAI with the same compute precision: " + "; ".join(alike) + "."]
     interference = result.get("interference", default=None)
     if interference:
         lines += ["", f"Interference: the short requests' p99 TTFT is {num(interference['ttft_ms_p99_alone'])} ms alone "

@@ -29,6 +29,9 @@ Useful output = the requested tokens; tokens a system generates past a request's
                   its default precision: bf16 compute on CPUs with avx512_bf16 or AMX (the
                   machine's AVX-512 and AMX flags are recorded), u8 KV cache
   openvino-f32    the same with f32 compute (INFERENCE_PRECISION_HINT)
+  llmc-openvino   llmc's engine compiled with `--backend openvino --bf16` (bf16 compute where the
+                  CPU has it), and llmc-openvino-f32 without --bf16: llmc's scheduler and KV
+                  cache over one OpenVINO model a step; each set against OpenVINO GenAI's like
                   (a peer that cannot be installed or exported is recorded with the reason)
 
 llmc's first offline run is followed by the same workload again on an engine with the profiler on:
@@ -80,6 +83,8 @@ GROUP = 16  # static batch size of hf-static and genai (the engine runs its defa
 # (same engine, same pool) against genai in groups of this many.
 WIDE = 32  # onnxruntime-genai refuses batches over 32 ("batch_size (64) must be in [1, 32]")
 OPENVINO = {"openvino": None, "openvino-f32": "f32"}  # system name -> INFERENCE_PRECISION_HINT
+# llmc's own OpenVINO backend: system name -> (its compile options, the OpenVINO GenAI setting it faces)
+LLMC_OPENVINO = {"llmc-openvino": (["--bf16"], "openvino"), "llmc-openvino-f32": ([], "openvino-f32")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +132,10 @@ def build(checkpoint: Path, out: Path, cache: Path) -> dict[str, Any]:
     with contextlib.redirect_stdout(sys.stderr):
         compile_model(out / "model.onnx", out / "engine-kv16.plan", paged=PagedOptions(kv_dtype="float16"))
     built["llmc_kv16_engine"] = out / "engine-kv16.plan"
+    for name, (options, _) in LLMC_OPENVINO.items():
+        with contextlib.redirect_stdout(sys.stderr):
+            compile_model(out / "model.onnx", out / f"{name}.plan", backend="openvino", bf16="--bf16" in options)
+        built[name] = out / f"{name}.plan"
     log(f"build: llmc engine in {built['llmc_build_s']} s: {manifest['paged']}")
     start = time.perf_counter()
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
@@ -380,7 +389,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "threads": args.threads}
     jobs = {"llmc": {"run": "llmc", "engine": str(built["llmc_engine"])},
             f"llmc-{WIDE}": {"run": "llmc", "engine": str(built["llmc_engine"]), "seats": WIDE},
-            "llmc-kv16": {"run": "llmc", "engine": str(built["llmc_kv16_engine"])}}
+            "llmc-kv16": {"run": "llmc", "engine": str(built["llmc_kv16_engine"])},
+            **{name: {"run": "llmc", "engine": str(built[name])} for name in LLMC_OPENVINO}}
     if "genai_model" in built:
         jobs |= {name: {"run": "genai", "folder": str(built["genai_model"]), "pad": pad, "group": group}
                  for name, group in (("genai", GROUP), (f"genai-{WIDE}", WIDE))}
@@ -436,6 +446,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "llmc-kv16" in systems and name in systems:
             ratios[f"llmc-kv16_vs_{name}"] = round(
                 systems["llmc-kv16"]["throughput_tok_s"] / systems[name]["throughput_tok_s"], 2)
+    for name, (_, peer) in LLMC_OPENVINO.items():
+        if name in systems and peer in systems:
+            ratios[f"{name}_vs_{peer}"] = round(systems[name]["throughput_tok_s"] / systems[peer]["throughput_tok_s"], 2)
     if f"llmc-{WIDE}" in systems and f"genai-{WIDE}" in systems:
         ratios[f"llmc-{WIDE}_vs_genai-{WIDE}"] = round(
             systems[f"llmc-{WIDE}"]["throughput_tok_s"] / systems[f"genai-{WIDE}"]["throughput_tok_s"], 2)

@@ -337,3 +337,15 @@ def test_llmc_openvino_backend_rows_render_beside_openvino_genai(tree):
             "| OpenVINO GenAI f32 | ÷ | machine limit |") in section
     assert "| decode, batch 1, fp32 (tok/s) | 60 | 64 | 0.94 | 48 | 46 | 1.04 | 70 (memory) | 86% | 69% |" in section
     assert section.count("| decode, static batch of 16") == 1  # rows it did not run are left out of its table
+
+
+def test_serving_names_llmc_openvino_against_its_like(tree):
+    folder, output, _ = tree
+    serving = copy.deepcopy(SERVING)
+    serving["systems"] |= {"openvino": {"throughput_tok_s": 1000.0}, "llmc-openvino": {"throughput_tok_s": 1100.0}}
+    serving["ratios"] = {"llmc-openvino_vs_openvino": 1.1}
+    (folder / "serving.json").write_text(json.dumps(serving))
+    assert run(tree) == 0
+    section = output.read_text().split("## Serving")[1].split("\n## ")[0]
+    assert "| llmc-openvino | 1,100 | - | - | 0.73 |" in section
+    assert "with the same compute precision: llmc-openvino ÷ openvino: 1.1." in section
