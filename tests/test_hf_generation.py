@@ -133,3 +133,20 @@ def test_tensorrt_dry_run_accepts_every_family(compiled, tmp_path):
     assert check["unsupported"] == [], check["unsupported"]
     assert check["plugins"] == {"llmc::paged_attention": manifest["geometry"]["num_layers"]}
     assert not (tmp_path / "trt.plan").exists()
+
+
+def test_openvino_engine_equals_transformers_generate(compiled):
+    """--backend openvino on every family: transformers' greedy tokens, or one line saying why not."""
+    pytest.importorskip("openvino")
+    family, folder, out, _ = compiled
+    engine = out / "engine-openvino.plan"
+    result = CliRunner().invoke(main, ["compile", str(out / "model.onnx"), "-o", str(engine), "--backend", "openvino"])
+    manifest = read_manifest(out / "engine.plan")
+    softcapped = manifest["paged"] and any((s["attention"] or {}).get("softcap") for s in manifest["paged"]["segments"])
+    if manifest["paged"] is None or softcapped:
+        assert result.exit_code != 0 and not engine.exists()
+        assert result.output.strip().splitlines()[-1].startswith("llmc: error: ")
+        return
+    assert result.exit_code == 0, result.output
+    record = _run(engine)
+    assert record["token_ids"] == hf_greedy(folder, record["prompt_token_ids"], NEW_TOKENS)
