@@ -120,7 +120,6 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -130,93 +129,9 @@ TEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 SYSTEMS = ("llmc", "llmc packed", "openvino f32", "openvino bf16")
 POOL_TOKENS = 12288  # the timing cases' sequences (250 blocks of 32), with room to spare
 DECODE_STEPS = 8  # a decode case: this many steps in a row, timed per step
-GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own inputs
-LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
 
 
-# ---- the model: llmc's segments, OpenVINO's paged attention between them --------------------
-
-def paged_model(engine, kv_type, block_size: int = 32):
-    """One ov.Model: every segment of the paged engine read by OpenVINO's ONNX front end and
-    joined by name, each ``llmc::PagedAttention`` call replaced by a `_PagedAttentionExtension`
-    over per-layer cache parameters `key_cache.i`/`value_cache.i` [blocks, kv heads, block_size,
-    head dim] of `kv_type`, the step's layout in `LAYOUT_INPUTS` (shared by every layer).
-
-    The CPU plugin re-types and re-shapes the caches at compile time from KV_CACHE_PRECISION and
-    its own block size (32): what is declared here is a placeholder."""
-    import openvino as ov
-    import openvino.opset13 as ops
-    from openvino._pyopenvino.op import _PagedAttentionExtension
-
-    from llmc.formats.engine_file import FileRange, bind_weights
-
-    core = ov.Core()
-    paged, geometry = engine.manifest.paged, engine.manifest.geometry
-    data = FileRange(engine.path, engine.offsets["model.onnx.data"])
-    params = {}
-
-    def param(name, type_, shape):
-        if name not in params:
-            params[name] = ops.parameter(shape, type_, name=name)
-            params[name].output(0).set_names({name})
-        return params[name].output(0)
-
-    def const(value, dtype=np.int32):
-        return ops.constant(np.asarray(value, dtype)).output(0)
-
-    for name in LAYOUT_INPUTS:
-        param(name, ov.Type.i32, [] if name == "max_context_len" else [-1])
-    values, logits = {}, None  # every value crossing a cut, by its ONNX name
-    for segment in paged.segments:
-        # The bound graph names its weights relative to the engine's folder: read it from there.
-        fd, path = tempfile.mkstemp(suffix=".onnx", dir=engine.path.parent)
-        try:
-            os.write(fd, bind_weights(engine.sections[segment.section], data))
-            os.close(fd)
-            model = core.read_model(path)
-        finally:
-            os.unlink(path)
-        for p in model.get_parameters():
-            name = p.get_friendly_name()
-            source = values[name] if name in values else param(name, p.get_element_type(), p.get_partial_shape())
-            for target in list(p.output(0).get_target_inputs()):
-                target.replace_source_output(source)
-        for result in model.outputs:
-            values[result.get_any_name()] = result.get_node().input_value(0)
-            if result.get_any_name() == "logits":
-                logits = result.get_node()
-        call = segment.attention
-        if call is None:
-            continue
-        if call.softcap:
-            raise ValueError(f"{segment.section}: softcap {call.softcap}: OpenVINO's paged attention has none")
-        # llmc's [tokens, heads, head dim] is OpenVINO's [tokens, heads · head dim]
-        q, k, v = (ops.reshape(values[n], const([0, -1]), special_zero=True).output(0) for n in call.inputs[:3])
-        caches = [param(n, kv_type, [-1, geometry.num_kv_heads, block_size, geometry.head_dim])
-                  for n in call.inputs[3:5]]
-        empty_i32, empty_f32 = const(np.zeros(0)), const(np.zeros(0), np.float32)
-        inputs = [q, k, v, *caches, *(params[n].output(0) for n in LAYOUT_INPUTS[:4]),
-                  const(call.scale, np.float32),             # 9 scale
-                  const(call.window),                        # 10 sliding_window (0: none)
-                  empty_f32,                                 # 11 alibi_slopes
-                  params["max_context_len"].output(0),       # 12
-                  empty_i32,                                 # 13 score_aggregation_window
-                  empty_i32, empty_i32, empty_f32,           # 14-16 cache rotation
-                  empty_f32, const(0), const(0),             # 17-19 xattention threshold, block, stride
-                  const(np.zeros((0, 0, 0, 0)), np.float32),  # 20 sinks
-                  const(0), empty_i32, empty_i32, empty_i32,  # 21-24 adaptive R-KV
-                  empty_i32,                                 # 25 token_type_ids
-                  const(np.zeros(0), np.uint8), empty_i32]   # 26-27 qq_bias, its begins
-        attention = _PagedAttentionExtension(inputs)
-        # The CPU plugin refuses the node without these (GenAI's transformation writes them).
-        for key, value in (("num_k_heads", geometry.num_kv_heads), ("k_head_size", geometry.head_dim),
-                           ("num_v_heads", geometry.num_kv_heads), ("v_head_size", geometry.head_dim)):
-            attention.get_rt_info()[key] = value
-        shape = const([0, geometry.num_heads, geometry.head_dim])
-        values[call.output] = ops.reshape(attention.output(0), shape, special_zero=True).output(0)
-    order = [n for n in GRAPH_INPUTS if n in params] + [n for n in params if n not in GRAPH_INPUTS]
-    return ov.Model([logits], [params[n] for n in order], "llmc_paged_openvino")
-
+# ---- the model: runtime/backends/openvino.py's, over the probe's own pool ---------------------
 
 class OpenVinoPaged:
     """The joined model compiled for the CPU, and the per-layer pools it reads and writes in
@@ -226,6 +141,9 @@ class OpenVinoPaged:
         import openvino as ov
 
         self.precision = precision
+        from llmc.runtime.backends.openvino import paged_model
+
+        # The engine's blocks of 16 are declared; the CPU plugin re-shapes the caches to its 32.
         model = paged_model(engine, ov.Type.f32 if precision == "f32" else ov.Type.bf16)
         config = {"INFERENCE_NUM_THREADS": THREADS, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
                   "INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision}
