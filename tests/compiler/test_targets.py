@@ -16,7 +16,7 @@ from llmc.precision.plan import PrecisionOptions
 
 
 def test_an_unknown_backend_lists_the_registered_ones():
-    with pytest.raises(LlmcError, match=r"^--backend: unknown backend 'cuda' \(choose from onnxruntime, tensorrt\)$"):
+    with pytest.raises(LlmcError, match=r"^--backend: unknown backend 'cuda' \(choose from onnxruntime, openvino, tensorrt\)$"):
         targets.find_target("cuda")
 
 

@@ -146,7 +146,7 @@ def test_a_registered_numpy_backend_serves_greedy_tokens_through_the_engine(tiny
 
 def test_an_unregistered_backend_is_one_line_naming_the_file(tiny_llama_engine):
     with pytest.raises(LlmcError, match=rf"{tiny_llama_engine}: backend '{NAME}' cannot run here; this build of "
-                                        r"llmc runs onnxruntime, tensorrt engines"):
+                                        r"llmc runs onnxruntime, openvino, tensorrt engines"):
         Engine(as_backend(tiny_llama_engine, NAME))
 
 

@@ -181,8 +181,11 @@ def test_guessing_is_on_by_default_where_a_step_of_several_tokens_gives_each_its
              ({"fp16": True, "linears": {"a": "fp16"}}, None, False),
              (weight_only, None, False), (weight_only, lambda: False, False), (weight_only, lambda: True, True)]
     for precision, check, on in cases:
-        assert default_speculative_tokens(SimpleNamespace(precision=precision), check) == \
+        assert default_speculative_tokens(SimpleNamespace(precision=precision, build_options={}), check) == \
             (SPECULATIVE_TOKENS if on else 0), precision
+    # an OpenVINO engine allowed to compute in bf16: its fp32 linear layers may not be
+    bf16 = SimpleNamespace(precision=None, build_options={"backend": "openvino", "compute": "bf16"})
+    assert default_speculative_tokens(bf16, lambda: False) == 0
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
