@@ -396,16 +396,11 @@ def openvino_models(checkpoint: Path, errors: dict[str, str]) -> tuple[Path | No
 
 
 def cpu_flags() -> list[str]:
-    """The CPU's AVX-512 and AMX flags (/proc/cpuinfo): OpenVINO computes in bf16 by default where
-    avx512_bf16 or AMX is there, and int8 kernels differ with VNNI."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        if line.startswith("flags"):
-            return sorted(flag for flag in line.split(":", 1)[1].split() if flag.startswith(("avx512", "amx")))
-    return []
+    """The CPU's AVX-512 and AMX flags: OpenVINO computes in bf16 by default where avx512_bf16 or
+    AMX is there, and int8 kernels differ with VNNI."""
+    from llmc.formats.cpu_features import cpu_flags as all_flags
+
+    return sorted(flag for flag in all_flags() if flag.startswith(("avx512", "amx")))
 
 
 # Each timed row's machine limit: what the row's work costs (runtime/roofline.py's cost model:

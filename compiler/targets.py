@@ -26,6 +26,7 @@ from llmc.errors import LlmcError
 from llmc.formats.manifest import Geometry
 from llmc.formats.onnx_io import engine_weights
 from llmc.plugins.paged_attention import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
+from llmc.plugins.paged_attention import OPENVINO_BLOCK_SIZE
 from llmc.precision.dequantize_linear import matmulnbits_as_dequantize
 from llmc.precision.int8 import lower_per_token_for_onnxruntime
 from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE
@@ -125,17 +126,14 @@ class OpenVinoTarget(OnnxRuntimeTarget):
                             f"(float32, or bf16 under --bf16), not {paged.kv_dtype}")
 
     def payload(self, model, single, paged, geometry, network, manifest, options, progress):
-        weights = engine_weights(model)  # first: it points the graph's references into the engine's section
-        paged["single_sequence"] = None  # one OpenVINO model runs every step
-        paged["segments"], payload = segment_sections(model)
+        # onnxruntime's sections (no single-sequence graph: one OpenVINO model runs every step)
+        payload = super().payload(model, None, paged, geometry, network, manifest, options, progress)
         for entry in paged["segments"]:
             attention = entry.get("attention")
             if attention and attention.get("softcap"):
                 raise LlmcError(f"--backend openvino: attention soft-capping ({attention['softcap']}, "
                                 f"{entry['section']}) has no OpenVINO paged attention; use --backend onnxruntime")
-        # The manifest names each attention's dense form, as on onnxruntime (a few KB each).
-        payload.update(dense_attention_sections(paged["segments"], geometry, paged["block_size"], paged["kv_dtype"]))
-        return {**payload, "model.onnx.data": weights}
+        return payload
 
 
 @dataclass(frozen=True)
@@ -193,7 +191,7 @@ TARGETS = _registry(
     OnnxRuntimeTarget("onnxruntime", outliers="per-token", single_sequence=True, float_weight_products=False,
                       weights_block_size=DEFAULT_BLOCK_SIZE),
     OpenVinoTarget("openvino", outliers="per-token", single_sequence=False, float_weight_products=False,
-                   weights_block_size=DEFAULT_BLOCK_SIZE, block_size=32),
+                   weights_block_size=DEFAULT_BLOCK_SIZE, block_size=OPENVINO_BLOCK_SIZE),
     # TensorRT has no run-time int8 activation scales: its int8 engines keep those layers'
     # activations in float. Its int4 blocks hold 64 or 128 weights (precision/dequantize_linear.py
     # INT4_BLOCK_SIZES); 64 also divides common hidden sizes (SmolLM2's 576, which 128 does not).

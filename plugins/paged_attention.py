@@ -58,6 +58,7 @@ BLOCK_SIZES = tuple(2 ** i for i in range(9))  # 1 … 256
 # 16 wastes half as much per sequence, and the CPU attention runs within a few percent of block
 # 32 (bench/paged_attention_bench.py).
 DEFAULT_BLOCK_SIZE = 16
+OPENVINO_BLOCK_SIZE = 32  # OpenVINO's CPU paged attention keeps its caches in blocks of 32 tokens
 
 
 @dataclass(frozen=True)

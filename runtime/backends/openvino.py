@@ -32,12 +32,12 @@ import numpy as np
 from llmc.errors import LlmcError
 from llmc.formats.cpu_features import cpu_flags, native_bf16
 from llmc.formats.engine_file import EngineFile, FileRange, bind_weights
+from llmc.plugins.paged_attention import OPENVINO_BLOCK_SIZE as BLOCK_SIZE
 from llmc.runtime.backends.base import BackendOptions, PoolPlacement
 from llmc.runtime.kv_cache import KvCache, allocate_pool
 from llmc.runtime.step_plan import PACKED, StepPaths, StepPlan
 from llmc.runtime.timeline import OPENVINO
 
-BLOCK_SIZE = 32  # the CPU plugin's paged attention keeps its caches in blocks of 32 tokens
 GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own inputs
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
 
@@ -150,7 +150,7 @@ class OpenVinoBackend:
         if paged.block_size != BLOCK_SIZE:
             raise LlmcError(f"{engine.path}: block size {paged.block_size}; OpenVINO's CPU paged attention keeps "
                             f"blocks of {BLOCK_SIZE} (recompile with --backend openvino)")
-        self.precision, self.why = compute_precision(manifest)
+        self.precision, _ = compute_precision(manifest)
         self.cache_type = ov.Type.bf16 if self.precision == "bf16" else ov.Type.f32
         config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": self.precision,
                   "KV_CACHE_PRECISION": self.precision}
@@ -160,7 +160,6 @@ class OpenVinoBackend:
         self.request = self.compiled.create_infer_request()
         self.timeline = options.timeline
         self.block_size = paged.block_size
-        self.num_layers = manifest.geometry.num_layers
         # The pool in the compute precision (NumPy has no bf16: its bits as uint16).
         storage = np.uint16 if self.precision == "bf16" else np.float32
         self.placement = PoolPlacement(allocate=lambda shape, dtype: allocate_pool(shape, storage))
