@@ -50,6 +50,7 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
     if not paged:
         raise LlmcError(f"{engine}: llmc serve needs a paged engine (compiled without --no-paged)")
     scheduler = {"max_num_seqs": max_num_seqs or paged["max_batch"], "max_wait_ms": max_wait_ms, "policy": policy,
+                 "lone_prompt_uses_budget": False,  # a request may arrive during any step
                  **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {})}
     config = SchedulerConfig(**scheduler)  # a bad value fails here, before any replica starts
     name = model_name or Path(engine).stem

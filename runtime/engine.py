@@ -148,7 +148,8 @@ class Engine:
             every step packed (the CPU backend only).
         concurrent: requests are expected to overlap (a server, a throughput benchmark): what a
             step of several sequences needs is built at load, not by the first such step (see
-            `BackendOptions`).
+            `BackendOptions`), and by default a lone prompt's steps stay as short as beside
+            others (`SchedulerConfig.lone_prompt_uses_budget`).
         speculative_tokens: tokens a step may guess ahead for a greedy request (prompt-lookup
             decoding, runtime/prompt_lookup.py; beside other requests, only guesses likely to be
             kept); the step keeps those greedy decoding picks anyway. 0 turns it off; None:
@@ -174,7 +175,7 @@ class Engine:
             with self.section_check.graphs_checked():  # in a thread while the sessions are built
                 self._load(engine, options, kv_pool_mb)
         paged = engine.manifest.paged
-        self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch)
+        self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch, lone_prompt_uses_budget=not concurrent)
         self.scheduler = Scheduler(self.config, self.kv.blocks)
         self.max_seq_len = paged.max_seq_len
         self.backend.warm_up()  # the first calls of each path, not a step of largest size

@@ -36,7 +36,8 @@ def check_step(scheduler, chunks):
     assert sum(c.count for c in chunks) <= config.max_num_batched_tokens
     # A one-token chunk ending its sequence may be a decode; every other chunk is prompt.
     prompt = sum(c.count for c in chunks if c.count > 1 or c.start + 1 < len(c.request.token_ids))
-    assert prompt <= (config.max_prefill_tokens or config.max_num_batched_tokens)
+    alone = config.lone_prompt_uses_budget and len(scheduler.running) == 1 and not scheduler.waiting
+    assert prompt <= (config.max_num_batched_tokens if alone else config.max_prefill_tokens or config.max_num_batched_tokens)
     assert len(chunks) <= len(scheduler.running) <= config.max_num_seqs
     assert len({id(c.request) for c in chunks}) == len(chunks)
     for chunk in chunks:
@@ -219,9 +220,26 @@ def _advance(scheduler, blocks, chunks):
         blocks.mark_computed(chunk.request.request_id, chunk.request.num_computed)
 
 
-def test_deep_in_a_long_prompt_its_chunk_shrinks_while_others_run_and_slivers_wait():
+def test_a_lone_prompt_runs_in_budget_sized_chunks_until_another_request_comes():
     blocks = BlockManager(256, 16)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_prefill_tokens=128), blocks)
+    scheduler.add(Request("long", list(range(1, 2001)), SamplingParams(max_new_tokens=1), arrival=0.0))
+    for _ in range(2):
+        chunks = scheduler.schedule(now=0.0)
+        assert [(c.request.request_id, c.count) for c in chunks] == [("long", 512)]
+        _advance(scheduler, blocks, chunks)
+    scheduler.add(Request("short", list(range(5001, 5041)), SamplingParams(max_new_tokens=4), arrival=1.0))
+    chunks = scheduler.schedule(now=1.0)  # the cap again: the newcomer first, the long prompt sits out
+    assert [(c.request.request_id, c.count) for c in chunks] == [("short", 40)]
+    _advance(scheduler, blocks, chunks)
+    chunks = scheduler.schedule(now=2.0)
+    assert sum(c.count for c in chunks if c.request.request_id == "long") <= 128
+
+
+def test_deep_in_a_long_prompt_its_chunk_shrinks_while_others_run_and_slivers_wait():
+    blocks = BlockManager(256, 16)
+    config = SchedulerConfig(max_num_batched_tokens=512, max_prefill_tokens=128, lone_prompt_uses_budget=False)
+    scheduler = Scheduler(config, blocks)
     long_prompt = Request("long", list(range(1, 2001)), SamplingParams(max_new_tokens=1), arrival=0.0)
     scheduler.add(long_prompt)
     for _ in range(8):  # alone, it runs full chunks: 1,024 tokens computed
