@@ -30,7 +30,7 @@ from llmc.compiler.targets import CompileTarget, find_target
 from llmc.precision.gate import check_accuracy, general_text_windows
 from llmc.precision.linears import linear_layers
 from llmc.precision.plan import PrecisionOptions, apply_precision, calibration_windows, check_options
-from llmc.compiler.pipeline import DEFAULT_LEVEL, optimize, resolve
+from llmc.compiler.pipeline import DEFAULT_LEVEL, PIPELINES, optimize, resolve
 from llmc.compiler.tensorrt_network import TensorRTOptions
 from llmc.errors import LlmcError
 from llmc.tokenizer import Tokenizer
@@ -150,6 +150,9 @@ def _compile(onnx_path: Path, output: Path, target: CompileTarget, tokenizer, le
     if paged is not None and paged.block_size is None:
         paged = dataclasses.replace(paged, block_size=target.block_size)
     resolve(level, passes)  # a bad option fails before the model is read
+    named_level = None if passes is not None else str(DEFAULT_LEVEL if level is None else level)
+    if named_level is not None and target.skipped_passes:
+        passes = [name for name in PIPELINES[named_level] if name not in target.skipped_passes]
     mixed = check_options(precision, target.name)
     if precision.weights_block_size is None and not precision.is_default:
         precision = dataclasses.replace(precision, weights_block_size=target.weights_block_size)
@@ -226,7 +229,7 @@ def _compile(onnx_path: Path, output: Path, target: CompileTarget, tokenizer, le
         **interface.to_dict(),
         "source": {"file": onnx_path.name, "sha256": source_hash.result(), "nodes": source_nodes},
         "build_options": {"backend": target.name,
-                          "level": None if passes is not None else str(DEFAULT_LEVEL if level is None else level),
+                          "level": named_level,
                           "passes": [entry["pass"] for entry in report], "verify": verify,
                           **({"compute": "bf16", "bf16_accuracy": bf16_accuracy} if bf16 else {})},
         "optimization": [{k: entry[k] for k in ("pass", "matches", "nodes_after")} for entry in report],

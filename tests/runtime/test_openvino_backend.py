@@ -123,6 +123,15 @@ def test_greedy_requests_served_together_decode_as_the_onnxruntime_engine(engine
     assert outputs["f32"] == outputs["onnxruntime"]
 
 
+def test_openvino_engines_keep_sibling_products_apart_at_the_same_level(engines):
+    """OpenVINO fuses SiLU into a gate product only when the gate is a product of its own."""
+    ort, ov = (read_engine(engines[name]).manifest for name in ("onnxruntime", "f32"))
+    merged = {e["pass"]: e["matches"] for e in ort.optimization}
+    assert merged["merge-sibling-matmuls"] > 0
+    assert ov.build_options["level"] == ort.build_options["level"] == "2"
+    assert ov.build_options["passes"] == [p for p in ort.build_options["passes"] if p != "merge-sibling-matmuls"]
+
+
 def test_the_compute_precision_follows_the_engine_and_the_cpu(engines):
     f32 = read_engine(engines["f32"]).manifest
     assert compute_precision(f32, frozenset({"avx512_bf16"})) == ("f32", "fp32 compute (compiled without --bf16)")
