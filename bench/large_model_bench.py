@@ -46,12 +46,13 @@ def log(message: str) -> None:
     print(f"[large-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def ensure_checkpoint(folder: Path, seed: int = 0) -> Path:
+def ensure_checkpoint(folder: Path, seed: int = 0, positions: int = CONFIG["max_position_embeddings"]) -> Path:
     """Write the random 1B checkpoint (config.json, model.safetensors, tokenizer.json) once.
 
     Args:
         folder: destination; reused when it already holds the checkpoint.
         seed: torch.manual_seed for the weights.
+        positions: max_position_embeddings.
     """
     if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
         return folder
@@ -62,7 +63,7 @@ def ensure_checkpoint(folder: Path, seed: int = 0) -> Path:
 
     log(f"writing the 1B checkpoint to {folder}")
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**CONFIG)
+    config = transformers.LlamaConfig(**{**CONFIG, "max_position_embeddings": positions})
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size="50GB")

@@ -2,7 +2,9 @@
 
 The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench's ModelSpec with
 6 layers and 2,304 positions, random seeded weights), or with `--model smollm2`
-SmolLM2-135M-Instruct (tests/smollm2.py; 64 new tokens instead of 128). Both systems build from
+SmolLM2-135M-Instruct (tests/smollm2.py; 64 new tokens instead of 128), or with `--model llama-1b`
+large_model_bench's 1B Llama (TinyLlama-1.1B's shape, random weights) with 2,304 positions, fp32
+builds only and 32 new tokens, without the profiled runs: at 1B a run takes minutes. Both systems build from
 it with their own tools, timed as subprocesses: `llmc export` + `llmc compile` (default options:
 the paged engine) against onnxruntime-genai's model builder (fp32, cpu); then `llmc compile
 --weights int4 --force` against the builder's `-p int4`, and llmc's int4 again in the builder's
@@ -59,7 +61,7 @@ prefix can be cached), EOS ignored (llmc: ignore_eos; genai: min_length = max_le
 latencies are medians over `--reps` runs (default 3). The machine's load average is recorded at
 the start and end.
 
-    python bench/latency_bench.py [--model llama-25m|smollm2] [--quick] [--json] [--save-json PATH]
+    python bench/latency_bench.py [--model llama-25m|smollm2|llama-1b] [--quick] [--json] [--save-json PATH]
                                   [--reps 3] [--threads 2] [--work-dir DIR]
 
 Progress and the table go to stderr; stdout gets one JSON object with --json.
@@ -118,6 +120,8 @@ FULL = Sizes(prompt=128, new_tokens=128, long_prompt=2048, batch=16, reps=3)
 QUICK = Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=2)
 # SmolLM2 decodes ~5x slower: 64 new tokens keep a run's length near the random Llama's.
 FULL_SMOLLM2 = dataclasses.replace(FULL, new_tokens=64)
+FULL_1B = dataclasses.replace(FULL, new_tokens=32)
+LARGE_POSITIONS = 2304  # the 1B checkpoint's: the 2,048-token prompt and its token fit
 TEXT_TOKENS = 128  # new tokens at most per real-text prompt
 
 
@@ -372,9 +376,11 @@ def spawn_openvino(python: Path, hint: str | None, job: dict[str, Any], vocab: i
     return result
 
 
-def openvino_models(checkpoint: Path, errors: dict[str, str]) -> tuple[Path | None, dict[str, Path]]:
-    """OpenVINO GenAI's venv python and its exports of `checkpoint` by weights ("fp32", "int4");
-    what could not be installed or exported is an entry in `errors`, not the end of the run."""
+def openvino_models(checkpoint: Path, errors: dict[str, str],
+                    precisions: tuple[str, ...] = PRECISIONS) -> tuple[Path | None, dict[str, Path]]:
+    """OpenVINO GenAI's venv python and its exports of `checkpoint` by weights ("fp32", "int4"),
+    those of `precisions`; what could not be installed or exported is an entry in `errors`, not
+    the end of the run."""
     import openvino_peer
 
     log("build: OpenVINO GenAI's venv")
@@ -385,7 +391,7 @@ def openvino_models(checkpoint: Path, errors: dict[str, str]) -> tuple[Path | No
         log(f"build: OpenVINO GenAI FAILED: {errors['OpenVINO GenAI install']}")
         return None, {}
     models = {}
-    for weights in dict.fromkeys(OPENVINO_WEIGHTS.values()):
+    for weights in dict.fromkeys(w for p, w in OPENVINO_WEIGHTS.items() if p in precisions):
         log(f"build: optimum-cli export openvino {weights} (cached by the checkpoint's hash)")
         try:
             models[weights] = openvino_peer.export(checkpoint, weights, python)
@@ -490,8 +496,8 @@ def timed(command: list[str], what: str, errors: dict[str, str]) -> float | None
     return seconds
 
 
-def build(checkpoint: Path, out: Path) -> dict[str, Any]:
-    """Both systems' fp32 and int4 builds from `checkpoint`, each step timed as a subprocess."""
+def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS) -> dict[str, Any]:
+    """Both systems' builds in `precisions` from `checkpoint`, each step timed as a subprocess."""
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -506,6 +512,8 @@ def build(checkpoint: Path, out: Path) -> dict[str, Any]:
         "llmc_export": timed([*llmc, "export", str(checkpoint), "-o", str(onnx)], "llmc export", errors),
         "llmc_compile": timed([*llmc, "compile", str(onnx), "-o", str(out / "fp32.plan")], "llmc compile", errors),
         "genai_builder": timed([*genai, "-o", str(out / "genai-fp32"), "-p", "fp32"], "genai builder fp32", errors),
+    }
+    int4 = {
         "llmc_compile_int4": timed([*llmc, "compile", str(onnx), "-o", str(out / "int4.plan"), "--weights", "int4",
                                     "--force"], "llmc compile --weights int4 --force", errors),
         "genai_builder_int4": timed([*genai, "-o", str(out / "genai-int4"), "-p", "int4"], "genai builder int4",
@@ -513,7 +521,8 @@ def build(checkpoint: Path, out: Path) -> dict[str, Any]:
         "llmc_compile_int4_sym": timed([*llmc, "compile", str(onnx), "-o", str(out / "int4-sym.plan"), "--weights",
                                         "int4", "--weights-symmetric", "--precision-config", str(lm_head), "--force"],
                                        "llmc compile --weights int4 in genai's scheme", errors),
-    }
+    } if "int4" in precisions else {}
+    seconds.update(int4)
     for system, (options, _) in LLMC_OPENVINO.items():
         seconds[f"{system}_compile"] = timed([*llmc, "compile", str(onnx), "-o", str(out / f"{system}.plan"),
                                               "--backend", "openvino", *options], f"llmc compile {system}", errors)
@@ -521,7 +530,7 @@ def build(checkpoint: Path, out: Path) -> dict[str, Any]:
     paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan", "int4-sym": out / "int4-sym.plan"},
              **{system: {"fp32": out / f"{system}.plan"} for system in LLMC_OPENVINO},
              "genai": {"fp32": out / "genai-fp32", "int4": out / "genai-int4", "int4-sym": out / "genai-int4"}}
-    built = {p: paths["llmc"][p].is_file() and (paths["genai"][p] / "genai_config.json").is_file()
+    built = {p: p in precisions and paths["llmc"][p].is_file() and (paths["genai"][p] / "genai_config.json").is_file()
              for p in PRECISIONS}
     return {"seconds": seconds, "paths": paths, "built": built, "errors": errors}
 
@@ -574,7 +583,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(BENCH_DIR))
     from optimize_bench import ensure_checkpoint
 
-    sizes = QUICK if args.quick else FULL_SMOLLM2 if args.model == "smollm2" else FULL
+    sizes = QUICK if args.quick else {"smollm2": FULL_SMOLLM2, "llama-1b": FULL_1B}.get(args.model, FULL)
+    wanted = ("fp32",) if args.model == "llama-1b" else PRECISIONS
     reps = args.reps or sizes.reps
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -585,19 +595,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         checkpoint = plain_checkpoint(smollm2_folder(), work / "smollm2-plain")
         model: dict[str, Any] = {"name": "SmolLM2-135M-Instruct", "checkpoint": str(checkpoint)}
+    elif args.model == "llama-1b":
+        import large_model_bench
+
+        checkpoint = large_model_bench.ensure_checkpoint(work / "hf-llama-1b-2k", positions=LARGE_POSITIONS)
+        model = {"name": "llama-1b", **large_model_bench.CONFIG, "max_position_embeddings": LARGE_POSITIONS}
     else:
         spec = _spec(args.quick)
         checkpoint = work / ("hf-llama-quick" if args.quick else "hf-llama-25m-2k")
         model = {"name": "llama-25m", **dataclasses.asdict(spec),
                  "parameters": ensure_checkpoint(checkpoint, spec)}
     model["weights_mib"] = weight_mib(checkpoint)
-    built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}")
+    built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}", wanted)
     precisions = [p for p in PRECISIONS if built["built"][p]]
     if "fp32" not in precisions:
         raise RuntimeError("the fp32 builds failed: " + "; ".join(f"{k}: {v}" for k, v in built["errors"].items()))
     model["llmc_pool_mib"] = {p: pool_mib(built["paths"]["llmc"][p]) for p in precisions}
     peer_errors: dict[str, str] = {}  # what OpenVINO GenAI could not do, by what: the reason
-    openvino_python, openvino = openvino_models(checkpoint, peer_errors)
+    openvino_python, openvino = openvino_models(checkpoint, peer_errors, wanted)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
 
     limits = [measure_machine(args.threads)]  # again at the end: the larger of each is the limit
@@ -620,7 +635,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "prompt": sizes.prompt, "new_tokens": sizes.new_tokens, "one_token_a_step": True}
                 if precision == "fp32":
                     job.update(long_prompt=sizes.long_prompt, batch=sizes.batch,
-                               profile=system == "llmc" and rep == 0)
+                               profile=system == "llmc" and rep == 0 and args.model != "llama-1b")
                 if system in OPENVINO:
                     try:
                         result = spawn_openvino(openvino_python, OPENVINO[system], job, vocab)
@@ -665,6 +680,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (f"decode on real text (chat), batch 1, {precision} (tok/s)", "text_decode_tok_s", precision, True),
             (f"decode on real text (chat), batch 1, {precision}, llmc one token a step (tok/s)",
              "plain_text_decode_tok_s", precision, True, "text_decode_tok_s"))]
+    rows = [row for row in rows if row[2] in precisions]
     table = []
     for label, key, precision, higher, *genai_key in rows:
         mine, theirs = med("llmc", precision, key), med("genai", precision, (genai_key or [key])[0])
@@ -689,8 +705,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              s["llmc_export"] + s["llmc_compile"] if s["llmc_export"] and s["llmc_compile"] else None,
              s["genai_builder"]),
             ("build: llmc compile alone vs genai builder, fp32 (s)", s["llmc_compile"], s["genai_builder"]),
-            ("build: llmc compile --weights int4 vs genai builder -p int4 (s)", s["llmc_compile_int4"],
-             s["genai_builder_int4"])):
+            ("build: llmc compile --weights int4 vs genai builder -p int4 (s)", s.get("llmc_compile_int4"),
+             s.get("genai_builder_int4"))):
+        if mine is None and theirs is None:
+            continue  # not built in this run
         ok = mine is not None and theirs is not None
         table.append({"measure": label, "key": "build_s", "precision": "fp32", "llmc": round(mine, 2) if ok else None,
                       "genai": theirs, "ratio": round(mine / theirs, 2) if ok else None, "higher_is_better": False,
@@ -758,8 +776,7 @@ def render(result: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
               + " |" for r in rows[1:]]
     b = result["build_s"]
-    lines += ["", f"build steps (s): llmc export {b['llmc_export']}, compile {b['llmc_compile']}, compile int4 "
-                  f"{b['llmc_compile_int4']}, compile int4 in genai's scheme {b['llmc_compile_int4_sym']}; genai builder {b['genai_builder']}, int4 {b['genai_builder_int4']}"]
+    lines += ["", "build steps (s): " + ", ".join(f"{step} {seconds}" for step, seconds in b.items())]
     for precision, agreement in (result.get("real_text_agreement") or {}).items():
         if agreement:
             lines.append(f"real text, {precision}: {agreement['same_as_genai']} of {agreement['prompts']} greedy outputs "
@@ -780,8 +797,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(json.loads(argv[1]))), flush=True)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("llama-25m", "smollm2"), default="llama-25m",
-                        help="the benchmark's random-weight Llama (default) or SmolLM2-135M-Instruct")
+    parser.add_argument("--model", choices=("llama-25m", "smollm2", "llama-1b"), default="llama-25m",
+                        help="the benchmark's random-weight Llama (default), SmolLM2-135M-Instruct or a random 1B Llama")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not a measurement")
     parser.add_argument("--save-json", metavar="PATH", help="also write the JSON object to PATH")

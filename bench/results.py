@@ -404,6 +404,12 @@ BENCHMARKS = [
               "memory and build times, in fp32 and int4 weight-only. Medians of 3 runs, 2 threads each.",
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2.json",
               render_latency),
+    Benchmark("latency_llama_1b.json", "Latency at 1B parameters: the same rows on a larger model",
+              "The same measurements on a Llama of TinyLlama-1.1B's shape (random weights, 4.4 GB in fp32) with\n"
+              "2,304 positions: fp32 builds only, 32 new tokens, no profiled runs. Random weights make greedy\n"
+              "output repeat, which flatters llmc's guessing: read the one-token-a-step rows.",
+              "python bench/latency_bench.py --model llama-1b --save-json bench/results/latency_llama_1b.json",
+              render_latency),
     Benchmark("serving.json", "Serving throughput: llmc against onnxruntime-genai and transformers",
               "A 32M-parameter Llama (random weights) serving 64 requests at once (prompts 16-512 tokens, outputs\n"
               "16-128): llmc's continuous batching against onnxruntime-genai and transformers' `generate` in static\n"
