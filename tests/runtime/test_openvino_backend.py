@@ -8,6 +8,10 @@ in the pool and however they share a step. bf16 is compared with looser, stated 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -121,6 +125,37 @@ def test_greedy_requests_served_together_decode_as_the_onnxruntime_engine(engine
         outputs[name] = [tokens[i] for i in ids]
     assert all(len(t) == 24 for t in outputs["f32"])
     assert outputs["f32"] == outputs["onnxruntime"]
+
+
+RESIDENT = """
+import sys
+from pathlib import Path
+from llmc.formats.engine_file import read_engine
+from llmc.runtime.backends.base import BackendOptions
+from llmc.runtime.backends.registry import open_backend
+path = str(Path(sys.argv[1]).resolve())
+backend, _ = open_backend(read_engine(path), BackendOptions(threads=1), kv_pool_mb=4)
+mapped, resident, current = 0, 0, None
+for line in open("/proc/self/smaps"):
+    fields = line.split()
+    if "-" in fields[0] and not fields[0].endswith(":"):
+        current = fields[5] if len(fields) > 5 else None
+        mapped += current == path
+    elif fields[0] == "Rss:" and current == path:
+        resident += int(fields[1]) * 1024
+print(mapped, resident)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_the_engine_file_read_to_compile_does_not_stay_resident(engines):
+    """OpenVINO keeps a mapping of the engine file per segment it read; their pages are dropped."""
+    done = subprocess.run([sys.executable, "-c", RESIDENT, str(engines["f32"])], capture_output=True, text=True,
+                          check=True)
+    mapped, resident = map(int, done.stdout.split())
+    size = engines["f32"].stat().st_size
+    assert mapped > 1  # OpenVINO's mappings besides llmc's own: what the release is for
+    assert resident < 0.1 * size, f"{resident} of {size} bytes of the engine file resident after load"
 
 
 def test_openvino_engines_keep_sibling_products_apart_at_the_same_level(engines):
