@@ -6,7 +6,8 @@ Every step packs, under a token budget and a cap on sequences:
   3. running requests still in prefill (except in a step that admitted new ones, which they sit
      out, never two in a row), shortest remaining prompt first, one chunk each
      (chunked prefill) with what budget is left; beside other requests, a chunk deep in a long
-     prompt shrinks as its context grows, so that such steps stay short too.
+     prompt shrinks as its context grows, so that such steps stay short too; a prompt with no
+     other request running or waiting takes the whole budget instead of the prefill cap.
 When a running request needs a block for its next token and the pool is empty, the scheduler
 preempts by recompute: the lowest-ranked running request (the newest under FIFO) gives back all
 its blocks and returns to the front of the queue with its output so far, to be prefilled again

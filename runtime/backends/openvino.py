@@ -134,26 +134,25 @@ def _read_segment(core, engine: EngineFile, section: str, weights: FileRange):
         os.unlink(path)
 
 
-def release_file_pages(path: Path) -> int:
-    """Drop this process's resident pages of every read-only mapping of `path`; returns how many
-    mappings. OpenVINO's ONNX front end maps the engine file once for each segment it reads, and
-    the compiled model keeps those mappings though it computes from its own repacked weights: the
-    pages its compilation read would stay counted in the process's memory, about the whole file
-    (SmolLM2-135M: 1.3 GB resident after load, 0.7 GB without them). A page read again faults back
-    in from the page cache; a read-only mapping holds nothing that could be lost."""
+def release_file_pages(path: Path) -> None:
+    """Drop this process's resident pages of every read-only mapping of `path`. OpenVINO's ONNX
+    front end maps the engine file once for each segment it reads, and the compiled model keeps
+    those mappings though it computes from its own repacked weights: the pages its compilation read
+    would stay counted in the process's memory, about the whole file (SmolLM2-135M: 1.3 GB
+    resident after load, 0.7 GB without them). A page read again faults back in from the page
+    cache; a read-only mapping holds nothing that could be lost."""
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     except OSError:
-        return 0  # not Linux: nothing to drop this way
+        return  # not Linux: nothing to drop this way
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    target, released = str(Path(path).resolve()), 0
+    target = str(Path(path).resolve())
     for line in maps:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5] == target and "w" not in fields[1]:
             begin, end = (int(x, 16) for x in fields[0].split("-"))
-            released += libc.madvise(begin, end - begin, MADV_DONTNEED) == 0
-    return released
+            libc.madvise(begin, end - begin, MADV_DONTNEED)  # a refusal leaves the pages where they were
 
 
 class OpenVinoBackend:
