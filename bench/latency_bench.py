@@ -5,8 +5,8 @@ The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench'
 SmolLM2-135M-Instruct (tests/smollm2.py; 64 new tokens instead of 128), or with `--model llama-1b`
 large_model_bench's 1B Llama (TinyLlama-1.1B's shape, random weights) with 2,304 positions, fp32
 builds only and 32 new tokens, without the profiled runs (at 1B a run takes minutes), and `--bf16
---force` for llmc's OpenVINO engine: bf16's accuracy check runs in memory, which 4.4 GB exceed. Both systems build from
-it with their own tools, timed as subprocesses: `llmc export` + `llmc compile` (default options:
+--force` for llmc's OpenVINO engine: bf16's accuracy check runs in memory, which 4.4 GB exceed.
+Both systems build from it with their own tools, timed as subprocesses: `llmc export` + `llmc compile` (default options:
 the paged engine) against onnxruntime-genai's model builder (fp32, cpu); then `llmc compile
 --weights int4 --force` against the builder's `-p int4`, and llmc's int4 again in the builder's
 scheme (`--weights-symmetric` and lm_head int4 by a --precision-config rule). A failed build is
@@ -587,7 +587,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from optimize_bench import ensure_checkpoint
 
     sizes = QUICK if args.quick else {"smollm2": FULL_SMOLLM2, "llama-1b": FULL_1B}.get(args.model, FULL)
-    wanted = ("fp32",) if args.model == "llama-1b" else PRECISIONS
+    large = args.model == "llama-1b"
+    wanted = ("fp32",) if large else PRECISIONS
     reps = args.reps or sizes.reps
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -609,8 +610,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = {"name": "llama-25m", **dataclasses.asdict(spec),
                  "parameters": ensure_checkpoint(checkpoint, spec)}
     model["weights_mib"] = weight_mib(checkpoint)
-    built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}", wanted,
-                  large=args.model == "llama-1b")
+    built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}", wanted, large)
     precisions = [p for p in PRECISIONS if built["built"][p]]
     if "fp32" not in precisions:
         raise RuntimeError("the fp32 builds failed: " + "; ".join(f"{k}: {v}" for k, v in built["errors"].items()))
@@ -639,7 +639,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        "prompt": sizes.prompt, "new_tokens": sizes.new_tokens, "one_token_a_step": True}
                 if precision == "fp32":
                     job.update(long_prompt=sizes.long_prompt, batch=sizes.batch,
-                               profile=system == "llmc" and rep == 0 and args.model != "llama-1b")
+                               profile=system == "llmc" and rep == 0 and not large)
                 if system in OPENVINO:
                     try:
                         result = spawn_openvino(openvino_python, OPENVINO[system], job, vocab)

@@ -68,7 +68,7 @@ sys.path.insert(0, str(BENCH_DIR))
 import hf_baseline  # noqa: E402
 import record  # noqa: E402
 import openvino_peer  # noqa: E402
-from latency_bench import cpu_flags  # noqa: E402
+from latency_bench import LLMC_OPENVINO, cpu_flags  # noqa: E402
 from optimize_bench import DEFAULT_WORK_DIR, ModelSpec, ensure_checkpoint, log  # noqa: E402
 
 from llmc.runtime.bench import (  # noqa: E402
@@ -83,8 +83,6 @@ GROUP = 16  # static batch size of hf-static and genai (the engine runs its defa
 # (same engine, same pool) against genai in groups of this many.
 WIDE = 32  # onnxruntime-genai refuses batches over 32 ("batch_size (64) must be in [1, 32]")
 OPENVINO = {"openvino": None, "openvino-f32": "f32"}  # system name -> INFERENCE_PRECISION_HINT
-# llmc's own OpenVINO backend: system name -> (its compile options, the OpenVINO GenAI setting it faces)
-LLMC_OPENVINO = {"llmc-openvino": (["--bf16"], "openvino"), "llmc-openvino-f32": ([], "openvino-f32")}
 
 
 @dataclasses.dataclass(frozen=True)
