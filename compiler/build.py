@@ -143,7 +143,7 @@ def _compile(onnx_path: Path, output: Path, target: CompileTarget, tokenizer, le
              progress: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any] | None, bool]:
     """(manifest, the TensorRT check or None, whether the engine was written)."""
     target.check(paged, tensorrt)
-    if bf16 and target.name != "openvino":
+    if bf16 and not target.computes_bf16:
         raise LlmcError(f"--bf16: only for --backend openvino (--backend {target.name} has no bf16 compute)")
     if bf16 and precision.fp16:
         raise LlmcError("--bf16 and --fp16: each sets the compute precision; give one")

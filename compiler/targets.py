@@ -52,6 +52,7 @@ class CompileTarget:
         block_size: tokens per KV block when the options leave it open.
         skipped_passes: passes of the named levels (`--level`) left out for this backend, whose
             own compiler runs the graph faster without them; an explicit `--passes` runs as given.
+        computes_bf16: whether the backend can compute in bf16 (`--bf16`).
     """
 
     name: str
@@ -62,6 +63,7 @@ class CompileTarget:
     reads_tensorrt_options: bool = False
     block_size: int = KV_BLOCK_SIZE
     skipped_passes: frozenset[str] = frozenset()
+    computes_bf16: bool = False
 
     def check(self, paged: PagedOptions | None, tensorrt: TensorRTOptions) -> None:
         """Refuse, before any work, options this backend would ignore or cannot build."""
@@ -198,7 +200,7 @@ TARGETS = _registry(
                    # Merged Q/K/V and gate/up products reach OpenVINO as one product and a split,
                    # which keeps its CPU plugin from fusing SiLU into the gate's product: ~5% of a
                    # 128-token prompt's step (SmolLM2-135M, bf16).
-                   skipped_passes=frozenset({"merge-sibling-matmuls"})),
+                   skipped_passes=frozenset({"merge-sibling-matmuls"}), computes_bf16=True),
     # TensorRT has no run-time int8 activation scales: its int8 engines keep those layers'
     # activations in float. Its int4 blocks hold 64 or 128 weights (precision/dequantize_linear.py
     # INT4_BLOCK_SIZES); 64 also divides common hidden sizes (SmolLM2's 576, which 128 does not).
