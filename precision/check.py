@@ -31,6 +31,7 @@ from llmc.formats.sessions import session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.data import read_documents, windows
+from llmc.runtime.logprobs import log_softmax
 
 
 @dataclass(frozen=True)
@@ -130,10 +131,3 @@ def position_metrics(reference: np.ndarray, candidate: np.ndarray, targets: np.n
 def kl_divergence(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
     """KL(reference ‖ candidate) per row, from log-probabilities."""
     return (np.exp(reference) * (reference - candidate)).sum(-1)
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Log-probabilities over the last axis, in float64."""
-    logits = logits.astype(np.float64)
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))

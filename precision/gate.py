@@ -31,8 +31,9 @@ from llmc.formats.onnx_io import serialize
 from llmc.formats.sessions import open_session, session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
-from llmc.precision.check import log_softmax, position_metrics
+from llmc.precision.check import position_metrics
 from llmc.precision.data import windows
+from llmc.runtime.logprobs import log_softmax
 
 DEFAULT_MAX_PPL_INCREASE = 3.0  # percent
 HOLD_BACK = 4                   # every 4th calibration window is held back

@@ -29,11 +29,12 @@ from llmc.formats.onnx_io import serialize
 from llmc.formats.sessions import open_session, session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
-from llmc.precision.check import kl_divergence, log_softmax
+from llmc.precision.check import kl_divergence
 from llmc.precision.gate import added_errors
 from llmc.precision.int8 import choose_scales, write_qdq
 from llmc.precision.linears import linear_layers
 from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE, quantize_weights
+from llmc.runtime.logprobs import log_softmax
 
 TARGETS = ("int8", "int8-dynamic", "int8-weights", "int4")
 

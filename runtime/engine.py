@@ -38,6 +38,7 @@ from llmc.runtime.backends.base import Backend, BackendOptions
 from llmc.runtime.backends.registry import entry_for, open_backend
 from llmc.runtime.contiguous_generation import finish_reason
 from llmc.runtime.detokenizer import IncrementalText
+from llmc.runtime.logprobs import TokenLogprob, token_logprobs
 from llmc.runtime.prompt_lookup import PromptLookup
 from llmc.runtime.sampler import is_argmax, sample
 from llmc.runtime.sampling_params import SamplingParams
@@ -86,6 +87,10 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort" or "error"
     error: BaseException | None = None  # why the request failed, with finish_reason "error"
+    # With SamplingParams.logprobs: one per new token. With prompt_logprobs: every prompt token's
+    # (None for the first), on the output of the first new token.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def load_engine_file(path: str | os.PathLike | EngineFile, verify: bool = True) -> EngineFile:
@@ -312,16 +317,20 @@ class Engine:
     def _postprocess(self, plan: StepPlan, logits: np.ndarray) -> list[RequestOutput]:
         outputs = []
         best = None  # every row's largest logit, found once for the requests that take it
-        row = -1  # the logits row of the chunk's last token
-        for index, chunk in enumerate(plan.chunks):
+        end = 0  # past the chunk's last logits row
+        for index, (chunk, rows) in enumerate(zip(plan.chunks, plan.chunk_rows)):
             request = chunk.request
-            row += 1 + len(chunk.draft)
+            end += rows
+            row = end - 1  # the logits row of the chunk's last token
             try:
                 if chunk.draft:
                     with self.timeline.span("sample"):
                         best = logits.argmax(axis=1) if best is None else best
-                    outputs += self._verify(index, chunk, best[row - len(chunk.draft):row + 1].tolist())
+                    outputs += self._verify(index, chunk, best[row - len(chunk.draft):row + 1].tolist(),
+                                            logits[row - len(chunk.draft):row + 1])
                     continue
+                if rows > 1:
+                    self._add_prompt_logprobs(request, chunk.start, logits[end - rows:end])
                 request.num_computed += chunk.count
                 self.blocks.mark_computed(request.request_id, request.num_computed)
                 if request.num_computed < len(request.token_ids):
@@ -334,15 +343,27 @@ class Engine:
                         token = sample(logits[row], request.params, request.rng, request.prompt_ids,
                                        request.output_ids)
                 request.add_output(token)
-                outputs.append(self._emit(request, token))
+                outputs.append(self._emit(request, token, logits[row]))
             except Exception as error:  # this request fails alone
                 outputs.append(self._fail(request, error))
         return outputs
 
-    def _verify(self, index: int, chunk: Chunk, picks: list[int]) -> list[RequestOutput]:
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, start: int, logits: np.ndarray) -> None:
+        """Record the prompt tokens' log-probabilities that the logits of a chunk's every token
+        (from position `start`) give and that are not recorded yet (a preempted request
+        computes its prompt again)."""
+        found = request.prompt_logprobs
+        first, stop = len(found), min(start + len(logits) + 1, len(request.prompt_ids))
+        if first < stop:  # the logits at position p are those of the token at p + 1
+            found += token_logprobs(logits[first - 1 - start:stop - 1 - start], request.prompt_ids[first:stop],
+                                    request.params.prompt_logprobs)
+
+    def _verify(self, index: int, chunk: Chunk, picks: list[int], logits: np.ndarray) -> list[RequestOutput]:
         """Keep the guesses greedy decoding picked (`picks`: its token after each of the chunk's
-        tokens) and the token it picked after the last of them; the rest of the step's keys and
-        values, and their blocks, are dropped. One output per token, up to a stop."""
+        tokens, from those tokens' `logits`) and the token it picked after the last of them; the
+        rest of the step's keys and values, and their blocks, are dropped. One output per token,
+        up to a stop."""
         request, draft = chunk.request, chunk.draft
         kept = 0
         while kept < len(draft) and draft[kept] == picks[kept]:
@@ -355,9 +376,9 @@ class Engine:
         self.kv.keep(index, request.num_computed)
         self.blocks.mark_computed(request.request_id, request.num_computed)
         outputs = []
-        for token in picks[:kept + 1]:
+        for token, row in zip(picks[:kept + 1], logits):
             request.add_output(token)
-            outputs.append(self._emit(request, token))
+            outputs.append(self._emit(request, token, row))
             if outputs[-1].finished:
                 break
         return outputs
@@ -366,7 +387,8 @@ class Engine:
         """The most tokens the request may generate: its own limit, or what positions allow."""
         return min(request.params.max_new_tokens, self.max_seq_len - len(request.prompt_ids))
 
-    def _emit(self, request: Request, token: int) -> RequestOutput:
+    def _emit(self, request: Request, token: int, logits: np.ndarray) -> RequestOutput:
+        """The output of `token`, just generated from `logits` (its position's)."""
         text = self._texts[request.request_id]
         with self.timeline.span("detokenize"):
             delta, stopped = text.add(token)
@@ -378,7 +400,10 @@ class Engine:
             del self._texts[request.request_id]
             self._lookups.pop(request.request_id, None)
             self.scheduler.finish(request, reason)
-        return RequestOutput(request.request_id, [token], delta, reason is not None, reason)
+        top = request.params.logprobs
+        return RequestOutput(request.request_id, [token], delta, reason is not None, reason,
+                             logprobs=None if top is None else token_logprobs(logits[None], [token], top),
+                             prompt_logprobs=request.prompt_logprobs if len(request.output_ids) == 1 else None)
 
     def _fail(self, request: Request, error: BaseException) -> RequestOutput:
         self.abort(request.request_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmc.errors import LlmcError
+from llmc.runtime.logprobs import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,11 @@ class SamplingParams:
         stop_token_ids: extra token ids that end the completion (the tokenizer's EOS always does).
         stop: strings that end the completion when they appear in its text (excluded from it).
         ignore_eos: keep generating past EOS (benchmarks that need fixed output lengths).
+        logprobs: report each generated token's log-probability and this many most likely
+            alternatives at its position (runtime/logprobs.py); None reports none.
+        prompt_logprobs: the same for every prompt token after the first, computed in the
+            prompt's prefill (the request then skips the prefix cache: a cached token has no
+            logits); None reports none.
     """
 
     max_new_tokens: int = 32
@@ -38,6 +44,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -56,6 +64,11 @@ class SamplingParams:
             raise LlmcError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise LlmcError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise LlmcError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {value!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -107,6 +107,14 @@ class Request:
         # Prompt then output, grown in place: read several times a step, it must not be rebuilt
         # (a copy per read made per-token work grow with the output's length).
         self.token_ids: list[int] = [*self.prompt_ids, *self.output_ids]
+        # The prompt tokens' log-probabilities found so far, when asked for (the first has none).
+        self.prompt_logprobs: list | None = None if self.params.prompt_logprobs is None else [None]
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Whether its next prompt chunk must return the logits of every token, not the last's
+        only (its prompt log-probabilities are not all found yet)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     def add_output(self, token: int) -> None:
         self.output_ids.append(token)
@@ -254,10 +262,12 @@ class Scheduler:
                 return chunks
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0] if self.config.policy == "fifo" else min(self.waiting, key=Request.rank)
-            if not self.blocks.can_allocate(request.request_id, request.token_ids):
+            # A cached token's logits are never computed: prompt log-probabilities need them all.
+            use_cache = not request.wants_prompt_rows
+            if not self.blocks.can_allocate(request.request_id, request.token_ids, use_cache=use_cache):
                 break  # wait for blocks; admitting out of order would starve it
             self.waiting.remove(request)
-            request.num_computed = self.blocks.allocate(request.request_id, request.token_ids)
+            request.num_computed = self.blocks.allocate(request.request_id, request.token_ids, use_cache=use_cache)
             request.status = Status.RUNNING
             self.running.append(request)
             count = min(self._remaining(request), budget)

@@ -51,7 +51,9 @@ class StepPlan:
 
     tokens, positions: the packed tokens and their positions. batch: the block tables, pasts and
     where each sequence's tokens start. rows: the packed rows whose logits the step returns (each
-    sequence's last token, and before it its guesses' rows). pad: the lone token gets the whole
+    sequence's last token, and before it its guesses' rows, or every token of a prompt chunk whose
+    request asks for its prompt's log-probabilities); chunk_rows: how many of them each chunk has,
+    in order. pad: the lone token gets the whole
     graph's padding row. copies: copy-on-write block pairs to apply before the step. chunks: the
     scheduled chunks, with their guesses (`Chunk.draft`).
     """
@@ -61,6 +63,7 @@ class StepPlan:
     positions: np.ndarray
     batch: PagedBatch
     rows: np.ndarray
+    chunk_rows: tuple[int, ...] = ()
     pad: bool = False
     copies: tuple[tuple[int, int], ...] = ()
     chunks: tuple[Chunk, ...] = field(default=(), repr=False)
@@ -123,18 +126,19 @@ def pack(chunks, block_tables: list[list[int | None]], paths: StepPaths, exact: 
     if all(c.count == 1 for c in chunks):  # decodes only: a token each
         tokens = np.array([c.request.token_ids[c.start] for c in chunks], np.int64)
         positions, packed = starts, np.arange(len(chunks) + 1)
-        rows = packed[1:] - 1
+        rows, counts = packed[1:] - 1, [1] * len(chunks)
     else:
         tokens = np.concatenate([c.tokens for c in chunks]).astype(np.int64)
         positions = np.concatenate([np.arange(c.start, c.start + c.count) for c in chunks]).astype(np.int64)
         packed = np.concatenate([[0], np.cumsum([c.count for c in chunks])]).astype(np.int64)
         # A guess is checked against the logits of the token before it.
-        rows = np.concatenate([np.arange(end - 1 - len(c.draft), end) for c, end in zip(chunks, packed[1:])]) \
-            if any(c.draft for c in chunks) else packed[1:] - 1
+        counts = [c.count if c.request.wants_prompt_rows else 1 + len(c.draft) for c in chunks]
+        rows = np.concatenate([np.arange(end - n, end) for n, end in zip(counts, packed[1:])]) \
+            if any(n > 1 for n in counts) else packed[1:] - 1
     path = choose_path(paths, len(chunks), len(tokens))
     pad = path == WHOLE_GRAPH and paths.padding_row and exact and len(tokens) == 1
-    return StepPlan(path, tokens, positions, PagedBatch(tables, starts, packed), rows, pad, tuple(copies),
-                    tuple(chunks))
+    return StepPlan(path, tokens, positions, PagedBatch(tables, starts, packed), rows, tuple(counts), pad,
+                    tuple(copies), tuple(chunks))
 
 
 class StepPlanner:

@@ -1,0 +1,48 @@
+"""Log-probabilities of tokens under a model's logits: what `llmc check`, the engine's `logprobs`
+and `prompt_logprobs`, and the server's OpenAI answers report.
+
+Every figure is the model's own distribution, the log-softmax of its logits in float64: before the
+temperature, top-k/top-p and penalties a request samples with (OpenAI's and vLLM's convention;
+an evaluation scores the model, not the sampler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability and the `top` most likely tokens at its position (id,
+    log-probability), most likely first; ties in id order."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64."""
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """For each row of [rows, vocab] `logits`, the log-probability of that row's token in
+    `tokens`, with the `top` most likely tokens."""
+    rows = log_softmax(np.asarray(logits).reshape(len(tokens), -1))
+    out = []
+    for row, token in zip(rows, tokens):
+        best: tuple[tuple[int, float], ...] = ()
+        if top:
+            candidates = np.argpartition(-row, top - 1)[:top] if top < row.size else np.arange(row.size)
+            order = sorted(candidates.tolist(), key=lambda t: (-row[t], t))
+            best = tuple((t, float(row[t])) for t in order)
+        out.append(TokenLogprob(int(token), float(row[token]), best))
+    return out
