@@ -66,9 +66,10 @@ def require_ray():
     return serve
 
 
-def run(app, host: str, port: int, num_cpus: int | None = None) -> None:
+def run(app, host: str, port: int, num_cpus: int | None = None, tls: dict[str, str] | None = None) -> None:
     """Start Ray (or join RAY_ADDRESS's cluster) and Serve's proxy on host:port, deploy `app`,
-    and serve until SIGTERM/SIGINT, then shut the application down."""
+    and serve until SIGTERM/SIGINT, then shut the application down. `tls`: ssl_keyfile and
+    ssl_certfile for the proxy (Serve's HTTPOptions takes uvicorn's names)."""
     import os
     import signal
     import threading
@@ -81,7 +82,7 @@ def run(app, host: str, port: int, num_cpus: int | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port, **(tls or {})})
         serve.run(app, name="llmc", route_prefix="/")
         stop.wait()
     finally:

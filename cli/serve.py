@@ -27,9 +27,17 @@ from llmc.errors import LlmcError
 @click.option("--ray", "use_ray", is_flag=True, help="Serve replicas as Ray Serve deployments behind Ray's HTTP proxy "
               "(a local Ray cluster, or RAY_ADDRESS's).")
 @click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: engine replicas.")
+@click.option("--api-key", envvar="LLMC_API_KEY", show_envvar=True,
+              help="Require `Authorization: Bearer KEY` on every route but /health (401 otherwise).")
+@click.option("--public-metrics", is_flag=True, help="With --api-key: /metrics answers without the key.")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False), help="Serve HTTPS: the private key (PEM).")
+@click.option("--ssl-certfile", type=click.Path(dir_okay=False), help="Serve HTTPS: the certificate chain (PEM).")
+@click.option("--request-timeout", type=float,
+              help="Seconds a request may take from arrival; past it, it is aborted and answered 504.")
 @speculative_tokens_option
 def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_batched_tokens, max_wait_ms, policy,
-          threads, kv_pool_mb, use_ray, replicas, speculative_tokens):
+          threads, kv_pool_mb, use_ray, replicas, api_key, public_metrics, ssl_keyfile, ssl_certfile, request_timeout,
+          speculative_tokens):
     """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
     import importlib.util
 
@@ -53,22 +61,45 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
                  "lone_prompt_uses_budget": False,  # a request may arrive during any step
                  **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {})}
     config = SchedulerConfig(**scheduler)  # a bad value fails here, before any replica starts
-    name = model_name or Path(engine).stem
+    if public_metrics and not api_key:
+        raise LlmcError("--public-metrics: only with --api-key (without a key every route is public)")
+    tls = tls_files(ssl_keyfile, ssl_certfile)
+    options = ServerOptions(model_name=model_name or Path(engine).stem, max_waiting=max_waiting, api_key=api_key,
+                            public_metrics=public_metrics, request_timeout_s=request_timeout)
+    scheme = "https" if tls else "http"
     if use_ray:
         from llmc import server_ray
 
         cores = os.cpu_count() or 1
-        app = server_ray.application(str(Path(engine).resolve()), ServerOptions(model_name=name, max_waiting=max_waiting),
-                                     scheduler, replicas, cpus_per_replica=cores / replicas,
-                                     threads=threads or max(1, cores // replicas), kv_pool_mb=kv_pool_mb,
-                                     speculative_tokens=speculative_tokens)
-        click.echo(f"serving {name} on http://{host}:{port}/v1 with {replicas} Ray Serve replicas (Ctrl-C or "
-                   f"SIGTERM stops)", err=True)
-        server_ray.run(app, host, port)
+        app = server_ray.application(str(Path(engine).resolve()), options, scheduler, replicas,
+                                     cpus_per_replica=cores / replicas, threads=threads or max(1, cores // replicas),
+                                     kv_pool_mb=kv_pool_mb, speculative_tokens=speculative_tokens)
+        click.echo(f"serving {options.model_name} on {scheme}://{host}:{port}/v1 with {replicas} Ray Serve replicas "
+                   f"(Ctrl-C or SIGTERM stops)", err=True)
+        server_ray.run(app, host, port, tls=tls)
         return
     share_threads(threads)
     loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1,
                     speculative_tokens=speculative_tokens)
-    app = create_app(loaded, ServerOptions(model_name=name, max_waiting=max_waiting))
-    click.echo(f"serving {name} on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops)", err=True)
-    run_server(app, host, port)
+    app = create_app(loaded, options)
+    click.echo(f"serving {options.model_name} on {scheme}://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops)",
+               err=True)
+    run_server(app, host, port, tls=tls)
+
+
+def tls_files(keyfile: str | None, certfile: str | None) -> dict[str, str]:
+    """uvicorn's ssl_keyfile/ssl_certfile, checked now: both or neither, and a pair that loads."""
+    import ssl
+
+    if (keyfile is None) != (certfile is None):
+        raise LlmcError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
+    if keyfile is None:
+        return {}
+    existing(keyfile)
+    existing(certfile)
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, ValueError) as error:
+        raise LlmcError(f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a certificate and its private "
+                        f"key in PEM ({error})") from None
+    return {"ssl_keyfile": keyfile, "ssl_certfile": certfile}

@@ -144,8 +144,16 @@ def test_n_seed_and_stop(server):
     ({"model": MODEL, "prompt": "x", "n": 100}, 400, "n"),
     ({"model": MODEL, "prompt": "x" * 5000}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"model": MODEL, "prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens"),  # 0 needs echo
     ({"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ({"model": MODEL, "prompt": []}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [[1, 2], "x", [True]]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["x"] * 65}, 400, "prompt"),
+    ({"model": MODEL, "prompt": ["x"] * 64, "n": 16}, 400, "n"),  # more than the server ever admits
 ])
 def test_bad_requests_get_openai_error_objects(server, body, status, param):
     url, _, _ = server
@@ -162,6 +170,11 @@ def test_chat_errors(server, tiny_llama_engine):
     url, _, _ = server
     answer = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages"
+    hello = [{"role": "user", "content": "hi"}]
+    for extra, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"echo": True}, "echo")):
+        answer = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": hello, **extra})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, (extra, answer.text)
     app = create_app(Engine(tiny_llama_engine), ServerOptions(model_name="plain"))
     with running(app) as plain:
         answer = httpx.post(f"{plain}/v1/chat/completions",
