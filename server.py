@@ -161,7 +161,7 @@ class _RequireKey:
         self.app, self.key, self.open_paths = app, key.encode(), open_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        if scope["type"] == "http" and _route(scope) not in self.open_paths:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             scheme, _, given = header.partition(b" ")
             if not (hmac.compare_digest(given.strip(), self.key) and scheme.lower() == b"bearer"):
@@ -171,6 +171,12 @@ class _RequireKey:
                 await _error_response(refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _route(scope) -> str:
+    """The request's path under the app's prefix (Ray Serve's route_prefix, a proxy's root_path)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 @dataclass

@@ -66,10 +66,15 @@ def require_ray():
     return serve
 
 
+def http_options(host: str, port: int, tls: dict[str, str] | None = None) -> dict:
+    """Serve's proxy options: where it listens, and its TLS files (HTTPOptions takes uvicorn's
+    names: ssl_keyfile, ssl_certfile)."""
+    return {"host": host, "port": port, **(tls or {})}
+
+
 def run(app, host: str, port: int, num_cpus: int | None = None, tls: dict[str, str] | None = None) -> None:
     """Start Ray (or join RAY_ADDRESS's cluster) and Serve's proxy on host:port, deploy `app`,
-    and serve until SIGTERM/SIGINT, then shut the application down. `tls`: ssl_keyfile and
-    ssl_certfile for the proxy (Serve's HTTPOptions takes uvicorn's names)."""
+    and serve until SIGTERM/SIGINT, then shut the application down; `tls`: as `http_options`."""
     import os
     import signal
     import threading
@@ -82,7 +87,7 @@ def run(app, host: str, port: int, num_cpus: int | None = None, tls: dict[str, s
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port, **(tls or {})})
+        serve.start(http_options=http_options(host, port, tls))
         serve.run(app, name="llmc", route_prefix="/")
         stop.wait()
     finally:

@@ -348,3 +348,117 @@ def test_bench_url_errors_are_one_line(chat_engine, tmp_path):
     result = CliRunner().invoke(main, ["bench", str(chat_engine), "--url", "http://127.0.0.1:9",
                                        "--speculative-tokens", "2"])
     assert result.exit_code == 2 and "--speculative-tokens: not with --url" in result.stderr
+
+
+KEY = "s3cret-key"
+
+
+@pytest.mark.parametrize("public_metrics", [False, True])
+def test_an_api_key_guards_every_route_but_health(chat_engine, public_metrics):
+    app = create_app(Engine(chat_engine), ServerOptions(model_name=MODEL, api_key=KEY, public_metrics=public_metrics))
+    body = {"model": MODEL, "prompt": "def", "max_tokens": 2}
+    with running(app) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                        {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}):
+            for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                                 ("GET", "/v1/models"), ("GET", "/nowhere")):
+                answer = httpx.request(method, f"{url}{path}", json=body, headers=headers)
+                assert answer.status_code == 401, (headers, path, answer.text)
+                assert answer.json()["error"]["code"] == "invalid_api_key"
+                assert answer.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/metrics").status_code == (200 if public_metrics else 401)
+        key = {"Authorization": f"bearer {KEY}"}  # the scheme in any case
+        assert httpx.get(f"{url}/metrics", headers=key).status_code == 200
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        assert api.completions.create(**body).choices[0].text is not None
+        assert len(list(api.completions.create(**body, stream=True))) >= 1
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_request_past_the_timeout_is_aborted_and_told(chat_engine):
+    engine = Engine(chat_engine)
+    step = engine.step
+
+    def slow_step():  # a step of a large model: the limit falls mid-generation
+        time.sleep(0.02)
+        return step()
+    engine.step = slow_step
+    app = create_app(engine, ServerOptions(model_name=MODEL, request_timeout_s=0.5))
+    long = {"model": MODEL, "prompt": "def", "max_tokens": 200, "ignore_eos": True}
+    with running(app) as url:
+        assert httpx.post(f"{url}/v1/completions", json={**long, "max_tokens": 3}).status_code == 200
+        for body in (long, {**long, "n": 2}):
+            start = time.monotonic()
+            answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert answer.status_code == 504 and time.monotonic() - start < 5, answer.text
+            error = answer.json()["error"]
+            assert error["type"] == "timeout_error" and "--request-timeout" in error["message"]
+        with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=30) as answer:
+            events = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "timeout_error"
+        assert any("choices" in json.loads(e) for e in events[:-2])  # it had begun streaming
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished() or engine.blocks.stats.blocks_in_use:
+            assert time.monotonic() < deadline, f"the aborted requests' blocks stayed: {engine.blocks.stats}"
+            time.sleep(0.05)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'llmc_requests_total{outcome="timeout"} 4.0' in metrics
+
+
+def test_llmc_serve_over_https_with_a_key_from_the_environment(chat_engine, tmp_path):
+    """`llmc serve` as a user runs it with TLS, LLMC_API_KEY and a request timeout."""
+    import os
+    import subprocess
+    import sys
+
+    from tls import self_signed, trusting
+
+    key_file, cert_file = self_signed(tmp_path)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "llmc.cli", "serve", str(chat_engine), "--port", str(port),
+                                "--model-name", MODEL, "--ssl-keyfile", str(key_file), "--ssl-certfile", str(cert_file),
+                                "--request-timeout", "60"],
+                               env={**os.environ, "LLMC_API_KEY": KEY}, stderr=subprocess.PIPE, text=True)
+    url, tls = f"https://127.0.0.1:{port}", trusting(cert_file)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", verify=tls).status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.1)
+        body = {"model": MODEL, "prompt": "def", "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/completions", json=body, verify=tls).status_code == 401
+        answer = httpx.post(f"{url}/v1/completions", json=body, verify=tls, headers={"Authorization": f"Bearer {KEY}"})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+        with pytest.raises(httpx.TransportError):  # plain HTTP is not served
+            httpx.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ssl-keyfile", "{key}"], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", "{key}", "--ssl-certfile", "{key}"], "not a certificate and its private key"),
+    (["--ssl-keyfile", "{key}", "--ssl-certfile", "{missing}"], "missing.pem"),
+    (["--public-metrics"], "--public-metrics: only with --api-key"),
+    (["--request-timeout", "0"], "--request-timeout: must be > 0"),
+    (["--api-key", " "], "--api-key: must not be empty"),
+])
+def test_bad_serve_options_are_one_line(chat_engine, tmp_path, args, message):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+
+    key = tmp_path / "key.pem"
+    key.write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
+    args = [a.format(key=key, missing=tmp_path / "missing.pem") for a in args]
+    result = CliRunner().invoke(main, ["serve", str(chat_engine), *args])
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.stderr
