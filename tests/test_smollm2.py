@@ -114,3 +114,48 @@ def test_fp16_int8_calib_engine_serves_within_two_percent(exported, real_text, r
     report = check(engine, ReferenceModel(exported), real_text, max_tokens=2048, generate=8)
     assert report.tokens > 2000
     assert report.ppl_increase_pct <= 2.0, report
+
+
+def test_served_logprobs_equal_transformers(engine, reference, folder):
+    """`llmc serve` on SmolLM2: a completion's echoed prompt and its tokens, and a chat answer's
+    tokens with their alternatives, carry transformers' log-softmax on the same tokens."""
+    import httpx
+    import numpy as np
+
+    pytest.importorskip("uvicorn")
+    from test_server import running
+
+    from llmc.runtime.engine import Engine
+    from llmc.server import ServerOptions, create_app
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def log_probs(ids):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+    tokenizer, atol = reference.tokenizer, 1e-3  # fp32 over 30 layers, logits spanning ~40
+    with running(create_app(Engine(engine.path), ServerOptions(model_name="smollm2"))) as url:
+        text = "The three primary colours are red, yellow and blue. Mixing red and yellow gives"
+        answer = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "smollm2", "prompt": text, "echo": True, "logprobs": 2, "max_tokens": 4, "temperature": 0})
+        logprobs = answer.json()["choices"][0]["logprobs"]
+        ids = tokenizer(text).input_ids
+        rows = log_probs(ids)
+        np.testing.assert_allclose(logprobs["token_logprobs"][1:len(ids)], rows[np.arange(len(ids) - 1), ids[1:]],
+                                   atol=atol, rtol=0)
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2", "messages": messages, "logprobs": True, "top_logprobs": 3, "max_tokens": 8,
+            "temperature": 0}).json()["choices"][0]
+    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt, generated = tokenizer(prompt_text).input_ids, reference(prompt_text, 8)
+    content = answer["logprobs"]["content"]
+    # the end-of-turn token that stopped it has its entry too, as its text
+    assert answer["message"]["content"] == tokenizer.decode(generated, skip_special_tokens=True)
+    assert "".join(c["token"] for c in content) == tokenizer.decode(generated)
+    rows = log_probs(prompt + generated)[len(prompt) - 1:-1]
+    np.testing.assert_allclose([c["logprob"] for c in content], rows[np.arange(len(generated)), generated],
+                               atol=atol, rtol=0)
+    for c, row in zip(content, rows):
+        assert [t["logprob"] for t in c["top_logprobs"]] == pytest.approx(np.sort(row)[::-1][:3], abs=atol)
