@@ -57,6 +57,21 @@ def trained_engine(trained_onnx) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def trained_log_probs():
+    """Log-softmax (float64) of transformers' logits at every position of a sequence of ids, on
+    the trained model's checkpoint: the reference for log-probabilities."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    checkpoint = Path(__file__).resolve().parents[1] / "data" / "pystdlib-llama"
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    def log_probs(ids: list[int]):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+    return log_probs
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 

@@ -10,7 +10,6 @@ standard library (data/pystdlib-llama), fp32, against transformers on the same c
 
 import inspect
 import json
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -19,26 +18,13 @@ import pytest
 from llmc.runtime.engine import Engine
 from llmc.server import ServerOptions, create_app
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 pytest.importorskip("uvicorn")
 
 from test_server import running  # noqa: E402
 
-CHECKPOINT = Path(__file__).resolve().parents[1] / "data" / "pystdlib-llama"
 MODEL = "pystdlib"
 ATOL = 2e-4  # per token: fp32 engine against fp32 PyTorch
 CHOICES = 4
-
-
-@pytest.fixture(scope="module")
-def reference():
-    model = transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
-
-    def log_probs(ids: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
-    return log_probs
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +40,14 @@ def complete(url: str, **body) -> dict:
     return answer.json()
 
 
-def test_echo_and_logprobs_equal_transformers_streamed_or_not(served, reference):
+def test_echo_and_logprobs_equal_transformers_streamed_or_not(served, trained_log_probs):
     url, engine = served
     text = inspect.getsource(json.encoder)[:600]
     ids = engine.tokenizer.encode(text)
     whole = complete(url, prompt=text, echo=True, logprobs=3, max_tokens=6, temperature=0)["choices"][0]
     logprobs = whole["logprobs"]
     assert whole["text"].startswith(text) and len(logprobs["tokens"]) == len(ids) + 6
-    rows = reference(ids)
+    rows = trained_log_probs(ids)
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     want = rows[np.arange(len(ids) - 1), ids[1:]]
     np.testing.assert_allclose(logprobs["token_logprobs"][1:len(ids)], want, atol=ATOL, rtol=0)
@@ -104,10 +90,10 @@ def multiple_choice_set(engine: Engine, items: int = 12) -> list[tuple[list[int]
     return out
 
 
-def test_multiple_choice_scores_over_http_agree_with_transformers(served, reference):
+def test_multiple_choice_scores_over_http_agree_with_transformers(served, trained_log_probs):
     url, engine = served
     items = multiple_choice_set(engine)
-    in_process = [[reference(ctx + cont)[np.arange(len(ctx) - 1, len(ctx) + len(cont) - 1), cont].sum()
+    in_process = [[trained_log_probs(ctx + cont)[np.arange(len(ctx) - 1, len(ctx) + len(cont) - 1), cont].sum()
                    for cont in conts] for ctx, conts, _ in items]
     # lm-evaluation-harness's local-completions: token-id prompts in a batch, max_tokens 1
     prompts = [ctx + cont for ctx, conts, _ in items for cont in conts]
@@ -136,7 +122,7 @@ def test_multiple_choice_scores_over_http_agree_with_transformers(served, refere
             row.append(sum(lp for o, lp in zip(offsets, token_logprobs) if o >= len(context_text)))
             ids, encoded = engine.tokenizer.encode(text), engine.tokenizer.inner.encode(text, add_special_tokens=False)
             bos = len(ids) - len(encoded.ids)  # a BOS the engine puts first, where the model has one
-            rows = reference(ids)
+            rows = trained_log_probs(ids)
             row_in_process.append(sum(rows[i - 1, ids[i]] for i in range(max(1, bos), len(ids))
                                       if encoded.offsets[i - bos][0] >= len(context_text)))
         strings.append(row)

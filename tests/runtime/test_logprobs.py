@@ -5,7 +5,6 @@ prefill, the prefix cache, sampled and speculated tokens, and a step shared with
 
 import inspect
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,25 +17,10 @@ from llmc.runtime.logprobs import token_logprobs
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import SchedulerConfig
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
-CHECKPOINT = Path(__file__).resolve().parents[2] / "data" / "pystdlib-llama"
 # fp32 engine against fp32 PyTorch: the same sums in another order (measured ~1e-5).
 ATOL = 2e-4
 TOP = 5
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """Log-softmax of transformers' logits at every position of a sequence of ids."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINT, dtype=torch.float32).eval()
-
-    def log_probs(ids: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0]
-        return torch.log_softmax(logits.double(), -1).numpy()
-    return log_probs
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +63,12 @@ def assert_matches(reference_rows: np.ndarray, found, tokens: list[int], top: in
 
 
 @pytest.mark.parametrize("budget", [512, 48], ids=["one chunk", "chunks of 48"])
-def test_prompt_and_output_logprobs_equal_transformers(trained_engine, reference, text_ids, budget):
+def test_prompt_and_output_logprobs_equal_transformers(trained_engine, trained_log_probs, text_ids, budget):
     engine = Engine(trained_engine, SchedulerConfig(max_num_batched_tokens=budget, max_prefill_tokens=budget),
                     speculative_tokens=0)
     prompt = text_ids[:200]
     (result,) = run(engine, [prompt], [SamplingParams(max_new_tokens=12, logprobs=TOP, prompt_logprobs=TOP)])
-    rows = reference(prompt + result["tokens"])
+    rows = trained_log_probs(prompt + result["tokens"])
     assert result["prompt_logprobs"][0] is None and len(result["prompt_logprobs"]) == len(prompt)
     assert_matches(rows[:len(prompt) - 1], result["prompt_logprobs"][1:], prompt[1:], TOP)
     assert_matches(rows[len(prompt) - 1:-1], result["logprobs"], result["tokens"], TOP)
@@ -92,7 +76,7 @@ def test_prompt_and_output_logprobs_equal_transformers(trained_engine, reference
     assert result["steps"] == -(-len(prompt) // budget)
 
 
-def test_cached_prefix_preemption_sampling_speculation_and_company(trained_engine, reference, text_ids):
+def test_cached_prefix_preemption_sampling_speculation_and_company(trained_engine, trained_log_probs, text_ids):
     """Every way a token can come: the prefix cache holds the prompt already (the request must
     compute it anyway), a preemption restarts a prefill, a sampled token, guessed tokens kept,
     beside requests that ask for nothing."""
@@ -107,7 +91,7 @@ def test_cached_prefix_preemption_sampling_speculation_and_company(trained_engin
     results = run(engine, prompts, wanted + others)
     assert engine.stats["speculative_tokens_kept"] > 0, "no guess was kept: the speculated path went untested"
     for prompt_ids, params, result in zip(prompts, wanted, results):
-        rows = reference(prompt_ids + result["tokens"])
+        rows = trained_log_probs(prompt_ids + result["tokens"])
         assert len(result["prompt_logprobs"]) == len(prompt_ids)
         assert_matches(rows[:len(prompt_ids) - 1], result["prompt_logprobs"][1:], prompt_ids[1:],
                        params.prompt_logprobs)
@@ -116,7 +100,7 @@ def test_cached_prefix_preemption_sampling_speculation_and_company(trained_engin
         assert result["logprobs"] == [] and result["prompt_logprobs"] is None
 
 
-def test_a_prefill_preempted_midway_reports_each_prompt_token_once(trained_engine, reference, text_ids):
+def test_a_prefill_preempted_midway_reports_each_prompt_token_once(trained_engine, trained_log_probs, text_ids):
     """A pool of one sequence's blocks: two decodes outgrow it while the newest request is in
     its prefill, which is preempted and computed again."""
     manifest = read_engine(trained_engine, verify=False).manifest
@@ -142,7 +126,7 @@ def test_a_prefill_preempted_midway_reports_each_prompt_token_once(trained_engin
         [SamplingParams(max_new_tokens=8, prompt_logprobs=1)]
     results = run(engine, prompts, params)
     assert any(partial is not None and 1 < partial < len(prompts[2]) for _, partial in preempted), preempted
-    rows = reference(prompts[2] + results[2]["tokens"])
+    rows = trained_log_probs(prompts[2] + results[2]["tokens"])
     assert len(results[2]["prompt_logprobs"]) == len(prompts[2])
     assert_matches(rows[:len(prompts[2]) - 1], results[2]["prompt_logprobs"][1:], prompts[2][1:], 1)
 
