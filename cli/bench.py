@@ -32,12 +32,15 @@ from llmc.errors import LlmcError
 @click.option("--url", help="Send the workload to this OpenAI-compatible server (e.g. `llmc serve ENGINE`'s "
               "http://127.0.0.1:8000) as streamed requests instead of running ENGINE here; ENGINE still draws it.")
 @click.option("--model", help="With --url: the model name to ask for (default: the server's first).")
+@click.option("--api-key", envvar="LLMC_API_KEY", show_envvar=True,
+              help="With --url: the server's API key (sent as Authorization: Bearer KEY).")
 @click.option("--profile", is_flag=True,
               help="Then run the workload again with the profiler on and add where its time went, per step kind "
                    "(as `llmc profile`; under \"profile\" with --json).")
 @speculative_tokens_option
 def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_len_max, prompts_file, rate, batch,
-          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot, url, model, profile, speculative_tokens):
+          seed, max_num_seqs, max_num_batched_tokens, threads, as_json, plot, url, model, api_key, profile,
+          speculative_tokens):
     """Serve a synthetic workload with ENGINE (or the server at --url) and report throughput and latency."""
     from llmc.runtime import bench as serving
 
@@ -57,7 +60,7 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
     spec = serving.WorkloadSpec(requests=requests, prompt_len=prompt_len, prompt_len_max=prompt_len_max,
                                 output_len=output_len, output_len_max=output_len_max, rate=rate, seed=seed)
     if url is not None:
-        _bench_url(url, model, existing(engine_path), spec, prompts, batch, as_json, plot, max_num_seqs,
+        _bench_url(url, model, api_key, existing(engine_path), spec, prompts, batch, as_json, plot, max_num_seqs,
                    max_num_batched_tokens)
         return
     if model is not None:
@@ -92,7 +95,8 @@ def bench(engine_path, requests, prompt_len, prompt_len_max, output_len, output_
         progress(f"wrote {plot}")
 
 
-def _bench_url(url, model, engine_path, spec, prompts, batch, as_json, plot, max_num_seqs, max_num_batched_tokens):
+def _bench_url(url, model, api_key, engine_path, spec, prompts, batch, as_json, plot, max_num_seqs,
+               max_num_batched_tokens):
     """`llmc bench --url`: the workload ENGINE draws, through the server's HTTP API."""
     from llmc.formats.engine_file import read_engine
     from llmc.runtime import bench as serving
@@ -109,6 +113,6 @@ def _bench_url(url, model, engine_path, spec, prompts, batch, as_json, plot, max
     workload = serving.make_workload(spec, engine.manifest.geometry.vocab_size, ids)
     with click.progressbar(length=sum(r.output_len for r in workload), label=f"llmc bench {url}",
                            file=sys.stderr) as bar:
-        result = run_http_workload(url, model, workload, progress=bar.update, concurrency=batch)
+        result = run_http_workload(url, model, workload, progress=bar.update, concurrency=batch, api_key=api_key)
     summary = serving.summarize(result)
     click.echo(json.dumps(summary) if as_json else serving.render(summary))

@@ -22,27 +22,34 @@ from llmc.runtime.bench import BenchRequest, BenchResult, RequestRecord
 
 def run_http_workload(url: str, model: str | None, workload: Sequence[BenchRequest],
                       progress: Callable[[int], None] | None = None,
-                      concurrency: int | None = None) -> BenchResult:
+                      concurrency: int | None = None, api_key: str | None = None) -> BenchResult:
     """Send `workload` to the server at `url` (its base, e.g. http://127.0.0.1:8000); `model`
-    None asks the server for its first model."""
+    None asks the server for its first model; `api_key`: sent as a bearer token. An https URL's
+    certificate is checked against the system's authorities (or SSL_CERT_FILE's)."""
     try:
         import httpx
     except ImportError:
         raise LlmcError("--url needs httpx: pip install 'llmc[bench]'") from None
-    return asyncio.run(_run(httpx, url.rstrip("/"), model, workload, progress, concurrency))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return asyncio.run(_run(httpx, url.rstrip("/"), model, workload, progress, concurrency, headers))
 
 
-async def _run(httpx, url, model, workload, progress, concurrency) -> BenchResult:
+async def _run(httpx, url, model, workload, progress, concurrency, headers) -> BenchResult:
     records = [RequestRecord(i, len(r.prompt), r.output_len, r.arrival_s) for i, r in enumerate(workload)]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None, connect=30), limits=limits,
+                                 headers=headers) as client:
         try:
-            if model is None:
-                answer = await client.get("/v1/models")
+            answer = await client.get("/v1/models")
+            refused = answer.status_code == 401
+            if model is None and not refused:
                 answer.raise_for_status()
                 model = answer.json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
             raise LlmcError(f"--url {url}: no OpenAI-compatible server answers there ({error})") from None
+        if refused:
+            raise LlmcError(f"--url {url}: the server refused the API key (401)" if headers else
+                            f"--url {url}: the server wants an API key: --api-key or LLMC_API_KEY")
         start = time.perf_counter()
         slots = asyncio.Semaphore(concurrency) if concurrency else None
 

@@ -376,6 +376,18 @@ def test_an_api_key_guards_every_route_but_health(chat_engine, public_metrics):
         assert len(list(api.completions.create(**body, stream=True))) >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        if not public_metrics:  # llmc bench --url sends the key, taken from the environment too
+            from click.testing import CliRunner
+
+            from llmc.cli import main
+
+            args = ["bench", str(chat_engine), "--url", url, "--requests", "2", "--output-len", "3", "--json"]
+            keyed = CliRunner().invoke(main, args, env={"LLMC_API_KEY": KEY})
+            assert keyed.exit_code == 0 and json.loads(keyed.stdout)["errors"] == 0, keyed.output
+            for extra, message in (([], "the server wants an API key: --api-key or LLMC_API_KEY"),
+                                   (["--api-key", "wrong"], "the server refused the API key (401)")):
+                refused = CliRunner().invoke(main, [*args, *extra], env={"LLMC_API_KEY": None})
+                assert refused.exit_code == 2 and message in refused.stderr, refused.output
 
 
 def test_a_request_past_the_timeout_is_aborted_and_told(chat_engine):
