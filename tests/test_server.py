@@ -476,3 +476,32 @@ def test_bad_serve_options_are_one_line(chat_engine, tmp_path, args, message):
     result = CliRunner().invoke(main, ["serve", str(chat_engine), *args])
     lines = result.stderr.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_streamed_logprobs_equal_the_whole_answers(server):
+    """Chat and completions (n=2, several prompts): the log-probabilities a stream carries chunk by
+    chunk are the whole answer's, and the whole answer's chat entries spell its text."""
+    url, _, _ = server
+    api = client(url)
+    messages = [{"role": "user", "content": "def fibonacci(n):"}]
+    whole = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+                                        top_logprobs=2).choices[0]
+    content = whole.logprobs.content
+    assert len(content) >= 1 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-9 for c in content)  # greedy: the token is the top one
+    streamed = [e for chunk in api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                           logprobs=True, top_logprobs=2, stream=True)
+                for choice in chunk.choices if choice.logprobs for e in choice.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    body = {"model": MODEL, "prompt": ["def f(", "import"], "n": 2, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    answer = httpx.post(f"{url}/v1/completions", json=body).json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    by_index: dict[int, list] = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as chunks:
+        for line in chunks.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    by_index.setdefault(choice["index"], []).extend(choice["logprobs"]["token_logprobs"])
+    for choice in answer["choices"]:
+        assert by_index[choice["index"]] == choice["logprobs"]["token_logprobs"]
+    assert sum(len(c["logprobs"]["tokens"]) for c in answer["choices"]) == answer["usage"]["completion_tokens"]
