@@ -14,6 +14,9 @@ from typing import Sequence
 import numpy as np
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+# Rows whose float64 log-softmax is held at once: a prompt chunk's every row at a 150k vocabulary
+# would take 600 MB at 512 rows; 32 keep it under 40 MB.
+ROWS_AT_ONCE = 32
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
     """For each row of [rows, vocab] `logits`, the log-probability of that row's token in
     `tokens`, with the `top` most likely tokens."""
-    rows = log_softmax(np.asarray(logits).reshape(len(tokens), -1))
+    logits = np.asarray(logits).reshape(len(tokens), -1)
     out = []
-    for row, token in zip(rows, tokens):
-        best: tuple[tuple[int, float], ...] = ()
-        if top:
-            candidates = np.argpartition(-row, top - 1)[:top] if top < row.size else np.arange(row.size)
-            order = sorted(candidates.tolist(), key=lambda t: (-row[t], t))
-            best = tuple((t, float(row[t])) for t in order)
-        out.append(TokenLogprob(int(token), float(row[token]), best))
+    for begin in range(0, len(tokens), ROWS_AT_ONCE):
+        rows = log_softmax(logits[begin:begin + ROWS_AT_ONCE])
+        for row, token in zip(rows, tokens[begin:begin + ROWS_AT_ONCE]):
+            best: tuple[tuple[int, float], ...] = ()
+            if top:
+                candidates = np.argpartition(-row, top - 1)[:top] if top < row.size else np.arange(row.size)
+                order = sorted(candidates.tolist(), key=lambda t: (-row[t], t))
+                best = tuple((t, float(row[t])) for t in order)
+            out.append(TokenLogprob(int(token), float(row[token]), best))
     return out
