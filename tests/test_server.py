@@ -492,7 +492,9 @@ def test_streamed_logprobs_equal_the_whole_answers(server):
     streamed = [e for chunk in api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
                                                            logprobs=True, top_logprobs=2, stream=True)
                 for choice in chunk.choices if choice.logprobs for e in choice.logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # the same tokens; their figures to fp32 rounding (a step's rows round with its company)
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
     body = {"model": MODEL, "prompt": ["def f(", "import"], "n": 2, "max_tokens": 6, "temperature": 0, "logprobs": 1}
     answer = httpx.post(f"{url}/v1/completions", json=body).json()
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
@@ -503,5 +505,5 @@ def test_streamed_logprobs_equal_the_whole_answers(server):
                 for choice in json.loads(line[6:])["choices"]:
                     by_index.setdefault(choice["index"], []).extend(choice["logprobs"]["token_logprobs"])
     for choice in answer["choices"]:
-        assert by_index[choice["index"]] == choice["logprobs"]["token_logprobs"]
+        assert by_index[choice["index"]] == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-4)
     assert sum(len(c["logprobs"]["tokens"]) for c in answer["choices"]) == answer["usage"]["completion_tokens"]
