@@ -37,7 +37,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, NamedTuple, Sequence
+from typing import Any, AsyncIterator, Iterable, NamedTuple, Sequence
 
 from llmc.errors import LlmcError
 from llmc.runtime.async_engine import AsyncEngine
@@ -257,7 +257,7 @@ class _ServerState:
             if body.get(unsupported) not in ((None, 1) if unsupported == "best_of" else (None, False)):
                 raise ApiError(400, f"{unsupported} is not supported", param=unsupported)
         logprobs, echo = self._logprobs(body, chat)
-        prompts = self._prompts(body, chat)
+        prompts, texts = zip(*self._prompts(body, chat))
         n = _integer(body, "n", 1, 1, MAX_N)
         longest = max(len(p) for p in prompts)
         limit = self.engine.max_seq_len - longest
@@ -301,9 +301,11 @@ class _ServerState:
                            "rate_limit_error", headers={"Retry-After": str(self.options.retry_after_s)})
         options = body.get("stream_options") or {}
         timeout = self.options.request_timeout_s
-        return _Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", chat, prompts,
-                    [_echo_text(body.get("prompt"), i, self.engine.tokenizer, p) for i, p in enumerate(prompts)]
-                    if echo else [], params, n, _integer(body, "priority", 0, None, None), bool(body.get("stream")),
+        # echo returns a prompt as sent, or a token-id prompt as its text
+        echoes = [self.engine.tokenizer.decode(ids) if text is None else text
+                  for ids, text in zip(prompts, texts)] if echo else []
+        return _Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", chat, list(prompts), echoes, params,
+                    n, _integer(body, "priority", 0, None, None), bool(body.get("stream")),
                     bool(isinstance(options, dict) and options.get("include_usage")), logprobs, echo,
                     max_tokens > 0, None if timeout is None else arrived + timeout)
 
@@ -329,9 +331,9 @@ class _ServerState:
             raise ApiError(400, f"echo must be true or false, got {echo!r}", param="echo")
         return _integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS), echo
 
-    def _prompts(self, body: dict, chat: bool) -> list[list[int]]:
-        """The request's prompts as token ids: chat's one, or completions' string, token ids, or
-        a list of either."""
+    def _prompts(self, body: dict, chat: bool) -> list[tuple[list[int], str | None]]:
+        """The request's prompts, each as token ids and the string it was sent as (None: sent as
+        ids, or chat's): chat's one, or completions' string, token ids, or a list of either."""
         tokenizer = self.engine.tokenizer
         if chat:
             messages = body.get("messages")
@@ -348,7 +350,7 @@ class _ServerState:
                 raise ApiError(400, str(error), param="messages") from None
             # The template writes the special tokens itself (BOS too, where the model has one), as
             # transformers' apply_chat_template(tokenize=True) encodes it.
-            return [tokenizer.inner.encode(text, add_special_tokens=False).ids]
+            return [(tokenizer.inner.encode(text, add_special_tokens=False).ids, None)]
         prompt = body.get("prompt")
         if isinstance(prompt, str) or _token_ids(prompt):
             prompt = [prompt]
@@ -359,7 +361,7 @@ class _ServerState:
         vocab = self.engine.manifest.geometry.vocab_size
         if not all(0 <= t < vocab for p in prompt if not isinstance(p, str) for t in p):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        return [(tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompt]
 
     def _driver(self) -> AsyncEngine:
         if self.async_engine is None:
@@ -485,20 +487,24 @@ class _ServerState:
             if job.echo and index not in echoed:  # the prompt first, as its own chunk
                 echoed.add(index)
                 text, entries = self._echoed(job, index, piece.prompt_logprobs)
-                logprobs, offsets[index] = self._legacy_logprobs(entries, 0)
+                logprobs = None
+                if job.logprobs is not None:
+                    logprobs, offsets[index] = self._legacy_logprobs(entries, 0)
                 yield {**head, "choices": [{"index": index, "text": text, "finish_reason": None,
-                                            "logprobs": logprobs if job.logprobs is not None else None}], **usage}
+                                            "logprobs": logprobs}], **usage}
             if not piece.token_ids and not piece.text and piece.finish_reason is None:
                 continue  # a chunk per step that made tokens, even while their text is held back
-            entries = list(zip(piece.token_ids, piece.logprobs or []))
             if job.chat:
                 choice = {"index": index, "delta": {"content": piece.text} if piece.text else {},
                           "logprobs": None if job.logprobs is None else self._chat_logprobs(piece.logprobs or []),
                           "finish_reason": piece.finish_reason}
             else:
-                logprobs, offsets[index] = self._legacy_logprobs(entries, offsets[index])
+                logprobs = None
+                if job.logprobs is not None:
+                    logprobs, offsets[index] = self._legacy_logprobs(zip(piece.token_ids, piece.logprobs or []),
+                                                                     offsets[index])
                 choice = {"index": index, "text": piece.text, "finish_reason": piece.finish_reason,
-                          "logprobs": logprobs if job.logprobs is not None else None}
+                          "logprobs": logprobs}
             yield {**head, "choices": [choice], **usage}
         if job.include_usage:
             yield {**head, "choices": [], "usage": _usage(job, total)}
@@ -518,7 +524,7 @@ class _ServerState:
                                                 len(tokenizer.decode([token])))
         return found
 
-    def _legacy_logprobs(self, entries: Sequence[tuple[int, TokenLogprob | None]], offset: int) -> tuple[dict, int]:
+    def _legacy_logprobs(self, entries: Iterable[tuple[int, TokenLogprob | None]], offset: int) -> tuple[dict, int]:
         """OpenAI's completions `logprobs` object for (token, log-probability) pairs whose text
         starts at character `offset` of the choice's text; and the offset after them. A character
         made of several tokens' bytes counts in each of them."""
@@ -551,15 +557,6 @@ def _usage(job: _Job, completion_tokens: int) -> dict:
 def _token_ids(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
                                                             for t in value)
-
-
-def _echo_text(prompt, index: int, tokenizer, ids: list[int]) -> str:
-    """The text `echo` returns for a request's prompt `index`: as sent when it was a string."""
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and isinstance(prompt[index] if index < len(prompt) else None, str):
-        return prompt[index]
-    return tokenizer.decode(ids)
 
 
 async def _until(stream: AsyncIterator, deadline: float | None) -> AsyncIterator:
