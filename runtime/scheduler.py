@@ -49,7 +49,8 @@ class SchedulerConfig:
         max_prefill_tokens: most prompt tokens one step may run, all requests together (default
             128); None allows the whole budget. New requests take it first, so a short prompt
             arriving while a long one is in prefill runs whole in the next step, and that step
-            stays short: the long prompt gets only what is left.
+            stays short: the long prompt gets only what is left. When several requests wait to
+            start, they may take the whole budget.
         lone_prompt_uses_budget: a prompt with no other request running or waiting is cut by
             the token budget only, not by `max_prefill_tokens`: the cap keeps steps short for
             other requests, and there are none. A server turns it off: a request may arrive at
@@ -61,9 +62,7 @@ class SchedulerConfig:
     policy: str = "fifo"
     max_wait_ms: float = 0.0
     # Measured (bench/serving_bench.py's interference workload): with a 3,000-token prompt in
-    # flight, short requests' p99 time to first token falls several-fold against no cap. Offline
-    # throughput does not suffer: a step's decodes cost the weights' reading anyway, and there are
-    # more decode steps than prefill steps to spread prompts over.
+    # flight, short requests' p99 time to first token falls several-fold against no cap.
     max_prefill_tokens: int | None = 128
     # Measured (SmolLM2-135M, 2,048-token prompt, 2 threads): chunks of the 512-token budget
     # give the first token 10-20% sooner than chunks of 128, on onnxruntime and OpenVINO alike.
@@ -226,11 +225,14 @@ class Scheduler:
                 budget -= count
                 prefill -= 0 if decoding else count
             if decoding and not preempted:
-                admitted = self._admit(min(budget, prefill), now)
+                # One newcomer starts under the cap, like a prompt in prefill. A queue is a
+                # burst: whoever arrives now waits behind it anyway, and fuller steps drain it
+                # in fewer of them (measured: +10% offline throughput on OpenVINO's kernels).
+                admitted = self._admit(budget if len(self.waiting) > 1 else min(budget, prefill), now)
                 chunks += admitted
                 scheduled.update(id(c.request) for c in admitted)
                 budget -= sum(c.count for c in admitted)
-                prefill -= sum(c.count for c in admitted)
+                prefill = max(0, prefill - sum(c.count for c in admitted))
         self._deferred = deferred
         return chunks
 

@@ -264,7 +264,7 @@ def state(engine, request_id):
 
 def test_requests_aborted_at_random_points_free_every_block(small_pool, alone):
     # A prefill cap below the prompts' lengths keeps prompts in prefill over several steps.
-    engine = Engine(small_pool, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=32, max_prefill_tokens=16))
+    engine = Engine(small_pool, SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24, max_prefill_tokens=12))
     vocab = engine.tokenizer.vocab_size
     aborted_in = set()
     for seed in range(4):  # one engine for all schedules: a leak would add up

@@ -23,21 +23,24 @@ def simulate(requests, config, num_blocks, block_size, max_steps=10_000):
     while scheduler.has_unfinished():
         steps += 1
         assert steps < max_steps, "no progress"
+        queued = len(scheduler.waiting)
         chunks = scheduler.schedule(now=float(steps))
-        check_step(scheduler, chunks)
+        check_step(scheduler, chunks, queued)
         finished_order += run_step(scheduler, chunks)
     assert blocks.num_free_blocks == num_blocks  # nothing leaked
     return scheduler, finished_order
 
 
-def check_step(scheduler, chunks):
-    """What a step's chunks must satisfy for the engine to run them."""
+def check_step(scheduler, chunks, queued=0):
+    """What a step's chunks must satisfy for the engine to run them; `queued`: the requests
+    waiting before the step was scheduled (a queue of several may start under the whole budget)."""
     config, blocks = scheduler.config, scheduler.blocks
     assert sum(c.count for c in chunks) <= config.max_num_batched_tokens
     # A one-token chunk ending its sequence may be a decode; every other chunk is prompt.
     prompt = sum(c.count for c in chunks if c.count > 1 or c.start + 1 < len(c.request.token_ids))
     alone = config.lone_prompt_uses_budget and len(scheduler.running) == 1 and not scheduler.waiting
-    assert prompt <= (config.max_num_batched_tokens if alone else config.max_prefill_tokens or config.max_num_batched_tokens)
+    uncapped = alone or queued > 1
+    assert prompt <= (config.max_num_batched_tokens if uncapped else config.max_prefill_tokens or config.max_num_batched_tokens)
     assert len(chunks) <= len(scheduler.running) <= config.max_num_seqs
     assert len({id(c.request) for c in chunks}) == len(chunks)
     for chunk in chunks:
@@ -200,16 +203,23 @@ def test_new_requests_are_admitted_before_a_running_prefill_continues():
     assert [(c.request.request_id, c.count) for c in third] == [("other", 2), ("long", 62)]
 
 
-def test_prompt_tokens_per_step_are_capped_and_newcomers_take_them_first():
-    blocks = BlockManager(64, 16)
+def test_a_burst_of_newcomers_takes_the_budget_and_a_lone_one_the_cap():
+    blocks = BlockManager(128, 16)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_prefill_tokens=100), blocks)
     scheduler.add(Request("a", list(range(1, 301)), SamplingParams(), arrival=0.0))
     scheduler.add(Request("b", list(range(1, 51)), SamplingParams(), arrival=1.0))
-    first = scheduler.schedule(now=1.0)
-    assert [(c.request.request_id, c.count) for c in first] == [("a", 100)]  # b waits for the cap
-    scheduler.add(Request("c", list(range(1, 31)), SamplingParams(), arrival=2.0))
-    second = scheduler.schedule(now=2.0)
-    assert [(c.request.request_id, c.count) for c in second] == [("b", 50), ("c", 30)]
+    first = scheduler.schedule(now=1.0)  # a queue: both start at once, not 100 tokens a step
+    assert [(c.request.request_id, c.count) for c in first] == [("a", 300), ("b", 50)]
+    _advance(scheduler, blocks, first)
+    for chunk in first:
+        chunk.request.add_output(7)
+    scheduler.add(Request("c", list(range(2001, 3001)), SamplingParams(), arrival=2.0))
+    for now in (2.0, 3.0):  # alone in the queue, then in prefill: the cap keeps the decodes' steps short
+        chunks = scheduler.schedule(now=now)
+        assert [(c.request.request_id, c.count) for c in chunks] == [("a", 1), ("b", 1), ("c", 100)]
+        _advance(scheduler, blocks, chunks)
+        for chunk in chunks[:2]:
+            chunk.request.add_output(7)
     with pytest.raises(LlmcError, match="max_prefill_tokens must be ≥ 1"):
         SchedulerConfig(max_prefill_tokens=0)
 
@@ -302,8 +312,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, ms, steps=1):
         for _ in range(steps):
             self.now += ms / 1000
+            queued = len(self.scheduler.waiting)
             chunks = self.scheduler.schedule(now=self.now)
-            check_step(self.scheduler, chunks)
+            check_step(self.scheduler, chunks, queued)
             run_step(self.scheduler, chunks)
             self.consistent()
 
