@@ -38,7 +38,8 @@ to run and precision to precision), so that all see the same machine; each uses 
                       its default scheduler; genai: one generator of batch 16); rate = tokens made
                       after every request has its first token ÷ the time from then to the last
   int4 runs           the same load, warm-up and batch-1 decode on the int4 builds (genai's int4
-                      build beside each of llmc's two)
+                      build beside each of llmc's two; OpenVINO GenAI's beside llmc's OpenVINO
+                      engine built with `--bf16 --weights int4 --force`)
   one token a step    llmc's runs repeat the batch-1 decode with speculation off (fp32 and
                       weight-only engines guess tokens from the sequence's own text by default:
                       runtime/prompt_lookup.py); random prompts make a model loop, which guesses well
@@ -102,8 +103,10 @@ OPENVINO = {"openvino": None, "openvino-f32": "f32"}
 # (it keeps the tied lm_head in int8 per channel); it has no build in genai's scheme.
 OPENVINO_WEIGHTS = {"fp32": "fp32", "int4": "int4"}
 # llmc's own OpenVINO backend (--backend openvino): system name -> its extra compile options, and
-# the OpenVINO GenAI setting it is compared with. Its fp32 engine only.
+# the OpenVINO GenAI setting it is compared with. Its fp32 engines, and the bf16 one's int4 build
+# beside OpenVINO GenAI's int4 with its defaults.
 LLMC_OPENVINO = {"llmc-openvino": (["--bf16"], "openvino"), "llmc-openvino-f32": ([], "openvino-f32")}
+LLMC_OPENVINO_INT4 = "llmc-openvino"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,10 +532,16 @@ def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS,
         options = [*options, "--force"] if large and "--bf16" in options else options
         seconds[f"{system}_compile"] = timed([*llmc, "compile", str(onnx), "-o", str(out / f"{system}.plan"),
                                               "--backend", "openvino", *options], f"llmc compile {system}", errors)
+    if "int4" in precisions:
+        options = LLMC_OPENVINO[LLMC_OPENVINO_INT4][0]
+        seconds[f"{LLMC_OPENVINO_INT4}_compile_int4"] = timed(
+            [*llmc, "compile", str(onnx), "-o", str(out / f"{LLMC_OPENVINO_INT4}-int4.plan"), "--backend", "openvino",
+             *options, "--weights", "int4", "--force"], f"llmc compile {LLMC_OPENVINO_INT4} --weights int4", errors)
     shutil.rmtree(out / "genai-cache", ignore_errors=True)
     paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan", "int4-sym": out / "int4-sym.plan"},
              **{system: {"fp32": out / f"{system}.plan"} for system in LLMC_OPENVINO},
              "genai": {"fp32": out / "genai-fp32", "int4": out / "genai-int4", "int4-sym": out / "genai-int4"}}
+    paths[LLMC_OPENVINO_INT4]["int4"] = out / f"{LLMC_OPENVINO_INT4}-int4.plan"
     built = {p: p in precisions and paths["llmc"][p].is_file() and (paths["genai"][p] / "genai_config.json").is_file()
              for p in PRECISIONS}
     return {"seconds": seconds, "paths": paths, "built": built, "errors": errors}
