@@ -39,10 +39,13 @@ class StepPaths:
         whole_graph_rows: the most sequences of a decode step its whole graph runs; 0: it has none.
         padding_row: its whole graph can give a lone token a padding row, so that a sequence's
             logits do not depend on how its tokens are cut into steps.
+        step_tokens: the engine's default token budget a step (`SchedulerConfig.
+            max_num_batched_tokens`): what its kernels run best at.
     """
 
     whole_graph_rows: int = 0
     padding_row: bool = False
+    step_tokens: int = 512
 
 
 @dataclass(frozen=True)

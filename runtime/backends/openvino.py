@@ -164,7 +164,10 @@ class OpenVinoBackend:
             is one call already).
     """
 
-    paths = StepPaths()  # every step packed: the one model runs them all
+    # Every step packed: the one model runs them all. Steps of up to 2,048 tokens (measured,
+    # SmolLM2-135M and a 32M Llama, 2 threads, against 512): a lone 2,048-token prompt's first
+    # token 5% sooner, 64 requests at once 5% more tokens a second, for 35 MB more at the peak.
+    paths = StepPaths(step_tokens=2048)
 
     def __init__(self, engine: EngineFile, options: BackendOptions = BackendOptions()):
         import openvino as ov

@@ -30,6 +30,7 @@ from llmc.runtime.backends.openvino import BLOCK_SIZE, compute_precision
 from llmc.runtime.backends.registry import open_backend
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.scheduler import SchedulerConfig
 from llmc.runtime.step_plan import PACKED, StepPlan
 
 pytest.importorskip("openvino")
@@ -125,6 +126,15 @@ def test_greedy_requests_served_together_decode_as_the_onnxruntime_engine(engine
         outputs[name] = [tokens[i] for i in ids]
     assert all(len(t) == 24 for t in outputs["f32"])
     assert outputs["f32"] == outputs["onnxruntime"]
+
+
+def test_the_default_step_budget_is_the_backends(engines):
+    # OpenVINO's kernels run 2,048-token steps better than 512 (runtime/backends/openvino.py);
+    # a config given wins.
+    assert Engine(engines["onnxruntime"], threads=1).config.max_num_batched_tokens == 512
+    assert Engine(engines["f32"], threads=1).config.max_num_batched_tokens == 2048
+    given = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    assert Engine(engines["f32"], given, threads=1).config.max_num_batched_tokens == 64
 
 
 RESIDENT = """
