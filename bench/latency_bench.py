@@ -4,7 +4,7 @@ The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench'
 6 layers and 2,304 positions, random seeded weights), or with `--model smollm2`
 SmolLM2-135M-Instruct (tests/smollm2.py; 64 new tokens instead of 128), or with `--model llama-1b`
 large_model_bench's 1B Llama (TinyLlama-1.1B's shape, random weights) with 2,304 positions, fp32
-builds only and 32 new tokens, without the profiled runs (at 1B a run takes minutes), and `--bf16
+and int4 builds (not int4 in genai's scheme) and 32 new tokens, without the profiled runs (at 1B a run takes minutes), and `--bf16
 --force` for llmc's OpenVINO engine: bf16's accuracy check runs in memory, which 4.4 GB exceed.
 Both systems build from it with their own tools, timed as subprocesses: `llmc export` + `llmc compile` (default options:
 the paged engine) against onnxruntime-genai's model builder (fp32, cpu); then `llmc compile
@@ -597,7 +597,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     sizes = QUICK if args.quick else {"smollm2": FULL_SMOLLM2, "llama-1b": FULL_1B}.get(args.model, FULL)
     large = args.model == "llama-1b"
-    wanted = ("fp32",) if large else PRECISIONS
+    wanted = ("fp32", "int4") if large else PRECISIONS
     reps = args.reps or sizes.reps
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
