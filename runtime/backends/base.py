@@ -13,6 +13,8 @@ The engine calls, in order:
 2. ``placement``: where the KV pool lives (`PoolPlacement`); the engine builds its `KvCache`
    from it and hands it over with ``attach(kv)``: the backend binds the pool (and, on the CPU,
    asks the cache for the whole graph's rows).
+   ``paths`` (`StepPaths`): the step forms the planner may choose, and the step size the
+   scheduler's default token budget takes.
 3. ``warm_up()``, once, before the first request; ``steps_round_alike()``, at most once.
 4. per step: ``run(plan)`` after the engine applied the plan's block copies; it stores the step's
    keys and values in the pool at the slots the plan's batch names and returns the logits of
