@@ -523,10 +523,12 @@ def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS,
                                     "--force"], "llmc compile --weights int4 --force", errors),
         "genai_builder_int4": timed([*genai, "-o", str(out / "genai-int4"), "-p", "int4"], "genai builder int4",
                                     errors),
-        "llmc_compile_int4_sym": timed([*llmc, "compile", str(onnx), "-o", str(out / "int4-sym.plan"), "--weights",
-                                        "int4", "--weights-symmetric", "--precision-config", str(lm_head), "--force"],
-                                       "llmc compile --weights int4 in genai's scheme", errors),
     } if "int4" in precisions else {}
+    if "int4-sym" in precisions:
+        int4["llmc_compile_int4_sym"] = timed([*llmc, "compile", str(onnx), "-o", str(out / "int4-sym.plan"),
+                                               "--weights", "int4", "--weights-symmetric", "--precision-config",
+                                               str(lm_head), "--force"],
+                                              "llmc compile --weights int4 in genai's scheme", errors)
     seconds.update(int4)
     for system, (options, _) in LLMC_OPENVINO.items():
         options = [*options, "--force"] if large and "--bf16" in options else options
@@ -539,9 +541,10 @@ def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS,
              *options, "--weights", "int4", "--force"], f"llmc compile {LLMC_OPENVINO_INT4} --weights int4", errors)
     shutil.rmtree(out / "genai-cache", ignore_errors=True)
     paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan", "int4-sym": out / "int4-sym.plan"},
-             **{system: {"fp32": out / f"{system}.plan"} for system in LLMC_OPENVINO},
+             **{system: {"fp32": out / f"{system}.plan",
+                         **({"int4": out / f"{system}-int4.plan"} if system == LLMC_OPENVINO_INT4 else {})}
+                for system in LLMC_OPENVINO},
              "genai": {"fp32": out / "genai-fp32", "int4": out / "genai-int4", "int4-sym": out / "genai-int4"}}
-    paths[LLMC_OPENVINO_INT4]["int4"] = out / f"{LLMC_OPENVINO_INT4}-int4.plan"
     built = {p: p in precisions and paths["llmc"][p].is_file() and (paths["genai"][p] / "genai_config.json").is_file()
              for p in PRECISIONS}
     return {"seconds": seconds, "paths": paths, "built": built, "errors": errors}
