@@ -22,9 +22,12 @@ EOS ignored). A peer that cannot be installed, exported or run is recorded with 
 benchmark goes on. The machine's AVX-512 and AMX flags are recorded: they
 decide OpenVINO's default precision.
 
-Every measurement run is a process of its own, the systems in turn (the order rotating from run
-to run and precision to precision), so that all see the same machine; each uses 2 threads
-(`--threads`). A run:
+Every measurement run is a process of its own, the systems in turn, each uses 2 threads
+(`--threads`). The systems compared go in pairs, back to back (PAIRS: llmc and genai, each of
+llmc's OpenVINO engines and OpenVINO GenAI in the same precision), the pairs' order rotating from
+run to run and precision to precision and each pair's alternating; a run's systems share its
+prompts. This machine's speed drifts by ±15% within minutes, and a pair sees the same drift: a
+ratio is the median of the runs' own ratios (`paired_ratio`), not of the medians' ratio. A run:
 
   load + first token  from the top of the child process (its `import llmc` or
                       `import onnxruntime_genai` included) to the first token of a 16-token prompt
@@ -58,7 +61,7 @@ to run and precision to precision), so that all see the same machine; each uses 
                       beside those rows' figures; the profiler slows them, so the figures are the
                       runs' without it
 
-Prompts are fresh random token ids in every request and run (ids ≥ 260, no special tokens; no
+Prompts are fresh random token ids in every request and run (the same for every system in a run; ids ≥ 260, no special tokens; no
 prefix can be cached), EOS ignored (llmc: ignore_eos; genai: min_length = max_length). Rates and
 latencies are medians over `--reps` runs (default 3). The machine's load average is recorded at
 the start and end.
@@ -106,6 +109,8 @@ OPENVINO_WEIGHTS = {"fp32": "fp32", "int4": "int4"}
 # the OpenVINO GenAI setting it is compared with. Its fp32 engines, and the bf16 one's int4 build
 # beside OpenVINO GenAI's int4 with its defaults.
 LLMC_OPENVINO = {"llmc-openvino": (["--bf16"], "openvino"), "llmc-openvino-f32": ([], "openvino-f32")}
+# The systems run back to back, each pair a comparison the tables make.
+PAIRS = (("llmc", "genai"), *((peer, system) for system, (_, peer) in LLMC_OPENVINO.items()))
 LLMC_OPENVINO_INT4 = "llmc-openvino"
 
 
@@ -550,6 +555,23 @@ def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS,
     return {"seconds": seconds, "paths": paths, "built": built, "errors": errors}
 
 
+REAL_MODELS = ("smollm2", "llama-1b")  # the checkpoints `real_checkpoint` makes (the 1B one: real shape, random weights)
+
+
+def real_checkpoint(name: str, work: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint folder of `name` (one of REAL_MODELS), made or linked under `work`, and its description."""
+    if name == "smollm2":
+        sys.path.insert(0, str(ROOT / "tests"))
+        from smollm2 import smollm2_folder
+
+        checkpoint = plain_checkpoint(smollm2_folder(), work / "smollm2-plain")
+        return checkpoint, {"name": "SmolLM2-135M-Instruct", "checkpoint": str(checkpoint)}
+    import large_model_bench
+
+    checkpoint = large_model_bench.ensure_checkpoint(work / "hf-llama-1b-2k", positions=LARGE_POSITIONS)
+    return checkpoint, {"name": "llama-1b", **large_model_bench.CONFIG, "max_position_embeddings": LARGE_POSITIONS}
+
+
 def plain_checkpoint(folder: Path, out: Path) -> Path:
     """`folder` linked file by file into `out`, its config.json without the `quantization_config`
     that transformers' GGUF conversion leaves (the weights are dequantized float32): genai's
@@ -587,6 +609,16 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def paired_ratio(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str,
+                 their_key: str) -> float | None:
+    """The median over runs of mine[key] ÷ theirs[their_key], each run's figures against the same
+    run's (the "run" field); None where no run has both."""
+    by_run = {result["run"]: result.get(their_key) for result in theirs}
+    ratios = [result[key] / by_run[result["run"]] for result in mine
+              if result.get(key) and by_run.get(result["run"])]
+    return round(_median(ratios), 2) if ratios else None
+
+
 def _median(values: list) -> float | None:
     import numpy as np
 
@@ -605,17 +637,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     began = record.begin()
-    if args.model == "smollm2":
-        sys.path.insert(0, str(ROOT / "tests"))
-        from smollm2 import smollm2_folder
-
-        checkpoint = plain_checkpoint(smollm2_folder(), work / "smollm2-plain")
-        model: dict[str, Any] = {"name": "SmolLM2-135M-Instruct", "checkpoint": str(checkpoint)}
-    elif args.model == "llama-1b":
-        import large_model_bench
-
-        checkpoint = large_model_bench.ensure_checkpoint(work / "hf-llama-1b-2k", positions=LARGE_POSITIONS)
-        model = {"name": "llama-1b", **large_model_bench.CONFIG, "max_position_embeddings": LARGE_POSITIONS}
+    if args.model in REAL_MODELS:
+        checkpoint, model = real_checkpoint(args.model, work)
     else:
         spec = _spec(args.quick)
         checkpoint = work / ("hf-llama-quick" if args.quick else "hf-llama-25m-2k")
@@ -642,9 +665,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             here = ["llmc", "genai"] + [s for s in OPENVINO if OPENVINO_WEIGHTS.get(precision) in openvino
                                         and f"{s} {precision}" not in peer_errors]
             here += [s for s in LLMC_OPENVINO if built["paths"][s].get(precision, Path()).is_file()]
-            turn = (rep + PRECISIONS.index(precision)) % len(here)
-            for system in here[turn:] + here[:turn]:
-                seed += 1  # fresh prompts in every run
+            pairs = [pair[::-1] if rep % 2 else pair for pair in
+                     ([system for system in pair if system in here] for pair in PAIRS) if pair]
+            turn = (rep + PRECISIONS.index(precision)) % len(pairs)
+            seed += 1  # fresh prompts in every run
+            for system in [system for pair in pairs[turn:] + pairs[:turn] for system in pair]:
                 path = (openvino[OPENVINO_WEIGHTS[precision]] if system in OPENVINO
                         else built["paths"][system][precision])
                 job = {"system": system, "path": str(path), "threads": args.threads, "seed": seed,
@@ -664,7 +689,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         job.update(texts=texts, text_tokens=TEXT_TOKENS)
                     result = spawn(job)
                     profiles.update(result.pop("profiles", {}))
-                runs[system][precision].append(result)
+                runs[system][precision].append({**result, "run": rep})
                 log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
                     f"{k} {v}" for k, v in result.items()
                     if not k.endswith("_outputs") and k not in ("versions", "scheduler")))
@@ -676,6 +701,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def med(system: str, precision: str, key: str) -> float | None:
         return _median([r.get(key) for r in runs[system][precision]])
+
+    def paired(system: str, peer: str, precision: str, key: str, peer_key: str) -> float | None:
+        return paired_ratio(runs[system][precision], runs[peer][precision], key, peer_key)
 
     rows = [  # (label, key, precision, higher is better, genai's key if not the same)
         ("decode, batch 1, fp32 (tok/s)", "decode_tok_s", "fp32", True),
@@ -699,18 +727,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = [row for row in rows if row[2] in precisions]
     table = []
     for label, key, precision, higher, *genai_key in rows:
-        mine, theirs = med("llmc", precision, key), med("genai", precision, (genai_key or [key])[0])
-        ratio = round(mine / theirs, 2) if mine and theirs else None
+        peer_key = (genai_key or [key])[0]
+        mine, theirs = med("llmc", precision, key), med("genai", precision, peer_key)
+        ratio = paired("llmc", "genai", precision, key, peer_key)
         limit = ceilings.get(precision, {}).get(key)
         table.append({"measure": label, "key": key, "precision": precision, "llmc": mine, "genai": theirs,
                       "ratio": ratio, "higher_is_better": higher, "limit": limit,
                       "llmc_share_of_limit": share_of_limit(mine, limit, higher)})
         for system in OPENVINO:  # None where its worker does not measure the row
-            peer = med(system, precision, (genai_key or [key])[0])
-            table[-1] |= {system: peer, f"ratio_{system}": round(mine / peer, 2) if mine and peer else None}
+            table[-1] |= {system: med(system, precision, peer_key),
+                          f"ratio_{system}": paired("llmc", system, precision, key, peer_key)}
         for system, (_, peer_system) in LLMC_OPENVINO.items():  # its rows beside OpenVINO GenAI's
-            ours, peer = med(system, precision, key), table[-1][peer_system]
-            table[-1] |= {system: ours, f"ratio_{system}": round(ours / peer, 2) if ours and peer else None,
+            ours = med(system, precision, key)
+            table[-1] |= {system: ours, f"ratio_{system}": paired(system, peer_system, precision, key, peer_key),
                           f"{system}_share_of_limit": share_of_limit(ours, limit, higher)}
         if precision == "fp32" and key in profiles:
             table[-1]["profile"] = profiles[key]

@@ -83,6 +83,11 @@ def ratio(mine: Any, theirs: Any) -> str:
     return f"{mine / theirs:.2f}"
 
 
+def stored_ratio(value: Any) -> str:
+    """A ratio the benchmark computed (latency_bench's are paired run by run), as printed."""
+    return f"{value:.2f}" if isinstance(value, (int, float)) else "-"
+
+
 def table(header: list[str], rows: list[list[str]], text_columns: int = 1) -> list[str]:
     """A Markdown table: the first `text_columns` columns left-aligned, the figures right-aligned."""
     align = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
@@ -165,8 +170,8 @@ def render_latency(result: Result) -> list[str]:
     rows = []
     for row in result.get("table"):
         rows.append([row["measure"], num(row.get("llmc")), num(row.get("genai")),
-                     *(num(row.get(name)) for name in peers), ratio(row.get("llmc"), row.get("genai")),
-                     *(ratio(row.get("llmc"), row.get(name)) for name in peers)])
+                     *(num(row.get(name)) for name in peers), stored_ratio(row.get("ratio")),
+                     *(stored_ratio(row.get(f"ratio_{name}")) for name in peers)])
         if limits:
             limit, share = row.get("limit"), row.get("llmc_share_of_limit")
             rows[-1] += [f"{num(limit['value'])} ({limit['bound']})" if limit else "-",
@@ -222,8 +227,7 @@ def render_llmc_openvino(result: Result) -> list[str]:
             continue
         cells = [row["measure"]]
         for name in systems:
-            cells += [num(row.get(name)), num(row.get(LLMC_OPENVINO[name][1])), ratio(row.get(name),
-                                                                                      row.get(LLMC_OPENVINO[name][1]))]
+            cells += [num(row.get(name)), num(row.get(LLMC_OPENVINO[name][1])), stored_ratio(row.get(f"ratio_{name}"))]
         limit = row.get("limit")
         cells.append(f"{num(limit['value'])} ({limit['bound']})" if limit else "-")
         cells += [f"{row[f'{name}_share_of_limit']:.0%}" if row.get(f"{name}_share_of_limit") is not None else "-"
@@ -403,7 +407,8 @@ BENCHMARKS = [
     Benchmark("latency_smollm2.json", "Latency, start-up and build: llmc against onnxruntime-genai",
               "SmolLM2-135M-Instruct built by each system's own tools and run one process at a time, alternating:\n"
               "batch-1 and static batch-16 decode rates, time to first token, load + first token, resident\n"
-              "memory and build times, in fp32 and int4 weight-only. Medians of 3 runs, 2 threads each.",
+              "memory and build times, in fp32 and int4 weight-only. Medians of 3 runs, 2 threads each; the\n"
+              "systems compared run back to back, and a ratio is the median of the runs' own ratios.",
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2.json",
               render_latency),
     Benchmark("latency_llama_1b.json", "Latency at 1B parameters: the same rows on a larger model",
@@ -420,6 +425,18 @@ BENCHMARKS = [
               "batches; useful tokens a second, medians of 3 alternating rounds. Also the short requests' p99 TTFT\n"
               "with a 3,000-token prompt in flight.",
               "python bench/serving_bench.py --save-json bench/results/serving.json", render_serving),
+    Benchmark("serving_smollm2.json", "Serving throughput on SmolLM2-135M: llmc against OpenVINO GenAI",
+              "The same offline workload on SmolLM2-135M-Instruct, prompts cut from real text (held-out Python\n"
+              "source): llmc on onnxruntime and on its OpenVINO backend, one token a step (no speculation),\n"
+              "against onnxruntime-genai in static batches and OpenVINO GenAI's continuous batching; medians of\n"
+              "3 alternating rounds.",
+              "python bench/serving_bench.py --model smollm2 --save-json bench/results/serving_smollm2.json",
+              render_serving),
+    Benchmark("serving_llama_1b.json", "Serving throughput at 1B parameters",
+              "The same on a Llama of TinyLlama-1.1B's shape (random weights, prompts of real text), 32 requests,\n"
+              "one round: at 1B a system's run takes minutes.",
+              "python bench/serving_bench.py --model llama-1b --requests 32 --rounds 1 "
+              "--save-json bench/results/serving_llama_1b.json", render_serving),
     Benchmark("product_command.json", "Accuracy of the product's command on a real model",
               "`llmc compile model.onnx --fp16 --int8-calib DIR` on SmolLM2-135M-Instruct for the CPU and the\n"
               "graph TensorRT would receive: perplexity increase and top-1 agreement against the fp32 export on\n"
@@ -512,9 +529,11 @@ def headline(results_dir: Path) -> list[list[str]]:
     """Rows of (measure, llmc, onnxruntime-genai, transformers, llmc ÷ genai) present in the files."""
     rows = []
 
-    def add(measure: str, llmc: Any, genai: Any = None, transformers: Any = None) -> None:
+    def add(measure: str, llmc: Any, genai: Any = None, transformers: Any = None, ratio_: Any = None) -> None:
+        """ratio_: the benchmark's own llmc ÷ genai, where it computed one."""
         if llmc is not None:
-            rows.append([measure, num(llmc), num(genai), num(transformers), ratio(llmc, genai)])
+            rows.append([measure, num(llmc), num(genai), num(transformers),
+                         stored_ratio(ratio_) if ratio_ is not None else ratio(llmc, genai)])
 
     path = results_dir / "latency_smollm2.json"
     if path.is_file():
@@ -529,7 +548,7 @@ def headline(results_dir: Path) -> list[list[str]]:
                            ("load_first_token_s", "Start-up: load + first token, SmolLM2 (s)")):
             row = entries.get((key, "fp32"))
             if row:
-                add(label, row.get("llmc"), row.get("genai"))
+                add(label, row.get("llmc"), row.get("genai"), ratio_=row.get("ratio"))
     path = results_dir / "serving.json"
     if path.is_file():
         systems = load(path).get("systems")

@@ -38,11 +38,18 @@ llmc's first offline run is followed by the same workload again on an engine wit
 where its time went per step kind (runtime/profile.py's breakdown), stored beside llmc's figures
 (the profiler slows what it times: the figures are the runs' without it).
 
-Scenario 2, interference (llmc only): 16 short requests (prompts 32-128, 16 output tokens)
+With `--model smollm2` or `--model llama-1b` (latency_bench's checkpoints: SmolLM2-135M-Instruct,
+and a Llama of TinyLlama-1.1B's shape with random weights), scenario 1 runs on that checkpoint with
+prompts cut from real text (held-out Python source) and the systems llmc, genai, openvino,
+openvino-f32, llmc-openvino and llmc-openvino-f32, built by latency_bench's `build`; llmc's engines
+decode one token a step (speculative_tokens=0), so that guessing does not flatter them.
+
+Scenario 2, interference (llmc only, the 32M Llama): 16 short requests (prompts 32-128, 16 output tokens)
 arriving at Poisson times after t=0, alone and with one 3,000-token prompt (64 output tokens)
 added at t=0. Reported: the short requests' p99 TTFT in both runs and their ratio.
 
-    python bench/serving_bench.py [--json] [--quick] [--save-json PATH] [--threads 2] [--work-dir DIR]
+    python bench/serving_bench.py [--model llama-32m|smollm2|llama-1b] [--json] [--quick] [--save-json PATH]
+                                  [--threads 2] [--requests 64] [--rounds 3] [--work-dir DIR]
 
 Progress goes to stderr; stdout gets the table, or one JSON object with --json.
 """
@@ -68,7 +75,8 @@ sys.path.insert(0, str(BENCH_DIR))
 import hf_baseline  # noqa: E402
 import record  # noqa: E402
 import openvino_peer  # noqa: E402
-from latency_bench import LLMC_OPENVINO, cpu_flags  # noqa: E402
+import latency_bench  # noqa: E402
+from latency_bench import LLMC_OPENVINO, REAL_MODELS, cpu_flags  # noqa: E402
 from optimize_bench import DEFAULT_WORK_DIR, ModelSpec, ensure_checkpoint, log  # noqa: E402
 
 from llmc.runtime.bench import (  # noqa: E402
@@ -165,6 +173,23 @@ def offline_workload(scale: Scale, seed: int, special: set[int]) -> list[BenchRe
             for r in make_workload(spec, SPEC.vocab_size)]
 
 
+HELDOUT = BENCH_DIR.parent / "data" / "pystdlib-text" / "heldout" / "heldout.txt"
+
+
+def text_workload(scale: Scale, seed: int, checkpoint: Path) -> list[BenchRequest]:
+    """offline_workload's lengths, with windows of real text (held-out Python source, in the
+    checkpoint's tokens) for prompts: random ids make a real model's greedy output repeat."""
+    from llmc.tokenizer import Tokenizer
+
+    tokens = Tokenizer.from_folder(checkpoint).encode(HELDOUT.read_text())
+    rng = np.random.default_rng(seed + 3)
+    workload = []
+    for request in offline_workload(scale, seed, set()):
+        at = int(rng.integers(0, len(tokens) - len(request.prompt)))
+        workload.append(dataclasses.replace(request, prompt=tokens[at:at + len(request.prompt)]))
+    return workload
+
+
 def interference_workloads(scale: Scale, seed: int, special: set[int]) -> tuple[list[BenchRequest], list[BenchRequest]]:
     """(shorts alone, long + shorts): the shorts arrive at the same Poisson times in both."""
     spec = WorkloadSpec(requests=scale.shorts, prompt_len=scale.short_prompt[0], prompt_len_max=scale.short_prompt[1],
@@ -192,15 +217,16 @@ def warm_up(engine) -> None:
 
 
 def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seats: int | None = None,
-             profile: bool = False) -> dict[str, Any]:
+             profile: bool = False, speculative_tokens: int | None = None) -> dict[str, Any]:
     from llmc.formats.sessions import share_threads
     from llmc.runtime.engine import Engine, SchedulerConfig
 
     share_threads(threads)  # as `llmc bench` does: the benchmark's process is llmc's own
     config = SchedulerConfig(max_num_seqs=seats) if seats else None  # None: the engine's max batch
-    engine = Engine(engine_path, config, threads=threads, concurrent=True)
+    options = {"threads": threads, "concurrent": True, "speculative_tokens": speculative_tokens}
+    engine = Engine(engine_path, config, **options)
     warm_up(engine)
-    engine = Engine(engine_path, config, threads=threads, concurrent=True)  # fresh counters
+    engine = Engine(engine_path, config, **options)  # fresh counters
     done = 0
 
     def progress(tokens: int) -> None:
@@ -252,9 +278,11 @@ def child(job: dict[str, Any]) -> Any:
     if job["run"] == "interference":
         shorts, mixed = interference_workloads(scale, job["seed"], special)
         return run_interference(Path(job["engine"]), shorts, mixed, job["threads"])
-    workload = offline_workload(scale, job["seed"], special)
+    workload = (text_workload(scale, job["seed"], Path(job["text"])) if job.get("text")
+                else offline_workload(scale, job["seed"], special))
     if job["run"] == "llmc":
-        return run_llmc(Path(job["engine"]), workload, job["threads"], job.get("seats"), job.get("profile", False))
+        return run_llmc(Path(job["engine"]), workload, job["threads"], job.get("seats"), job.get("profile", False),
+                        job.get("speculative_tokens"))
     return run_genai(Path(job["folder"]), workload, job["threads"], job["pad"], job["group"])
 
 
@@ -359,19 +387,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     began = record.begin()
-    checkpoint = work / "hf-llama-32m-4k"
-    parameters = ensure_checkpoint(checkpoint, SPEC)
-    built = build(checkpoint, work / "serving", work / "genai-cache")
-    from llmc.tokenizer import byte_level_tokenizer
+    errors: dict[str, str] = {}
+    recipe: dict[str, Any] = {"quick": args.quick, "requests": args.requests, "seed": args.seed,
+                              "threads": args.threads}
+    if args.model in REAL_MODELS:
+        checkpoint, model = latency_bench.real_checkpoint(args.model, work)
+        built = latency_bench.build(checkpoint, work / f"serving-{args.model}", ("fp32",),
+                                    large=args.model == "llama-1b")
+        errors |= built["errors"]
+        paths = built["paths"]
+        recipe |= {"text": str(checkpoint), "special": [], "speculative_tokens": 0}
+        workload = text_workload(scale, args.seed, checkpoint)
+        engine = {"paged": None, "build_s": built["seconds"]["llmc_compile"]}
+        jobs = {name: {"run": "llmc", "engine": str(paths[name]["fp32"])} for name in ("llmc", *LLMC_OPENVINO)
+                if paths[name]["fp32"].is_file()}
+        genai_config = paths["genai"]["fp32"] / "genai_config.json"
+        if genai_config.is_file():
+            pad = json.loads(genai_config.read_text())["model"]["pad_token_id"]
+            jobs["genai"] = {"run": "genai", "folder": str(genai_config.parent), "pad": pad, "group": GROUP}
+    else:
+        checkpoint = work / "hf-llama-32m-4k"
+        model = {**dataclasses.asdict(SPEC), "parameters": ensure_checkpoint(checkpoint, SPEC)}
+        built = build(checkpoint, work / "serving", work / "genai-cache")
+        from llmc.tokenizer import byte_level_tokenizer
 
-    tokenizer = byte_level_tokenizer()
-    pad = tokenizer.eos_id  # the checkpoint's pad token (genai pads with it)
-    special = {tokenizer.bos_id, tokenizer.eos_id}
-    workload = offline_workload(scale, args.seed, special)
+        tokenizer = byte_level_tokenizer()
+        pad = tokenizer.eos_id  # the checkpoint's pad token (genai pads with it)
+        special = {tokenizer.bos_id, tokenizer.eos_id}
+        recipe["special"] = sorted(special)
+        workload = offline_workload(scale, args.seed, special)
+        engine = {"paged": built["paged"], "build_s": built["llmc_build_s"]}
+        jobs = {"llmc": {"run": "llmc", "engine": str(built["llmc_engine"])},
+                f"llmc-{WIDE}": {"run": "llmc", "engine": str(built["llmc_engine"]), "seats": WIDE},
+                "llmc-kv16": {"run": "llmc", "engine": str(built["llmc_kv16_engine"])},
+                **{name: {"run": "llmc", "engine": str(built[name])} for name in LLMC_OPENVINO}}
+        if "genai_model" in built:
+            jobs |= {name: {"run": "genai", "folder": str(built["genai_model"]), "pad": pad, "group": group}
+                     for name, group in (("genai", GROUP), (f"genai-{WIDE}", WIDE))}
+        else:
+            errors["genai"] = built["genai_error"]
     log(f"workload: {len(workload)} requests, {sum(len(r.prompt) for r in workload)} prompt tokens, "
         f"{sum(r.output_len for r in workload)} output tokens")
     systems: dict[str, Any] = {}
-    errors: dict[str, str] = {}
 
     def attempt(name: str, thunk) -> Any:
         """thunk()'s result, or None with the error recorded under `name`."""
@@ -383,17 +440,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log(f"run: {name} FAILED: {errors[name]}")
             return None
 
-    recipe = {"quick": args.quick, "requests": args.requests, "seed": args.seed, "special": sorted(special),
-              "threads": args.threads}
-    jobs = {"llmc": {"run": "llmc", "engine": str(built["llmc_engine"])},
-            f"llmc-{WIDE}": {"run": "llmc", "engine": str(built["llmc_engine"]), "seats": WIDE},
-            "llmc-kv16": {"run": "llmc", "engine": str(built["llmc_kv16_engine"])},
-            **{name: {"run": "llmc", "engine": str(built[name])} for name in LLMC_OPENVINO}}
-    if "genai_model" in built:
-        jobs |= {name: {"run": "genai", "folder": str(built["genai_model"]), "pad": pad, "group": group}
-                 for name, group in (("genai", GROUP), (f"genai-{WIDE}", WIDE))}
-    else:
-        errors["genai"] = built["genai_error"]
     log("build: OpenVINO GenAI's venv and export (cached)")
     try:
         openvino = openvino_model(checkpoint)
@@ -408,7 +454,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name in (list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]):
             if jobs[name]["run"] == "openvino" and name in errors:  # failed once: later rounds would alike
                 continue
-            job = {**jobs[name], **recipe, "profile": name == "llmc" and round_ == 0}
+            # llmc's first run profiled again (not at 1B, where a run takes minutes)
+            job = {**jobs[name], **recipe, "profile": name == "llmc" and round_ == 0 and args.model != "llama-1b"}
             if job["run"] == "openvino":
                 summary = attempt(name, lambda job=job: run_openvino(*openvino, workload, args.threads, job["hint"]))
             else:
@@ -422,15 +469,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             systems[name] = {**ordered[(len(ordered) - 1) // 2],
                              "rounds_tok_s": [summary["throughput_tok_s"] for summary in done],
                              **({"profile": profiles[0]} if profiles else {})}
-    interference = attempt("interference", lambda: in_fresh_process(
-        CHILD, {"run": "interference", "engine": str(built["llmc_engine"]), **recipe}))
-    requests = [(r.prompt, r.output_len) for r in workload]
-    common = {"checkpoint": str(checkpoint), "threads": args.threads, "pad": pad}
-    for name, job in (("hf-static", {"run": "run_hf_static", "requests": requests, "group_size": GROUP}),
-                      ("hf-single", {"run": "run_hf_single", "requests": requests[:scale.hf_single]})):
-        summary = attempt(name, lambda job=job: in_fresh_process(HF_BASELINE, {**job, **common}))
-        if summary is not None:
-            systems[name] = summary
+    interference = None
+    if args.model not in REAL_MODELS:
+        interference = attempt("interference", lambda: in_fresh_process(
+            CHILD, {"run": "interference", "engine": str(built["llmc_engine"]), **recipe}))
+        requests = [(r.prompt, r.output_len) for r in workload]
+        common = {"checkpoint": str(checkpoint), "threads": args.threads, "pad": pad}
+        for name, job in (("hf-static", {"run": "run_hf_static", "requests": requests, "group_size": GROUP}),
+                          ("hf-single", {"run": "run_hf_single", "requests": requests[:scale.hf_single]})):
+            summary = attempt(name, lambda job=job: in_fresh_process(HF_BASELINE, {**job, **common}))
+            if summary is not None:
+                systems[name] = summary
 
     ratios = {}
     if "llmc" in systems:
@@ -454,11 +503,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finished["machine"]["cpu_flags"] = cpu_flags()
     return {
         "benchmark": "serving", "quick": args.quick, "seed": args.seed, "rounds": args.rounds, "threads": args.threads,
-        "model": {**dataclasses.asdict(SPEC), "parameters": parameters},
+        "model": {"name": args.model, **model}, "speculative_tokens": recipe.get("speculative_tokens"),
         "workload": {"requests": len(workload), "prompt_len": scale.prompt_len, "output_len": scale.output_len,
+                     "prompts": "real text" if args.model in REAL_MODELS else "random ids",
                      "prompt_tokens": sum(len(r.prompt) for r in workload),
                      "output_tokens": sum(r.output_len for r in workload)},
-        "engine": {"paged": built["paged"], "build_s": built["llmc_build_s"]},
+        "engine": engine,
         "systems": systems, "ratios": ratios, "interference": interference, "errors": errors,
         "goals": GOALS,
         "record": finished,
@@ -467,7 +517,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     w = result["workload"]
-    lines = [f"Serving benchmark — {result['model']['parameters'] / 1e6:.1f}M Llama, fp32, {result['threads']} threads, "
+    model = result["model"]
+    name = f"{model['parameters'] / 1e6:.1f}M Llama" if "parameters" in model else model["name"]
+    lines = [f"Serving benchmark — {name}, fp32, {result['threads']} threads, "
              f"{w['requests']} requests (prompts {w['prompt_len'][0]}-{w['prompt_len'][1]}, outputs "
              f"{w['output_len'][0]}-{w['output_len'][1]}; {w['prompt_tokens']} prompt / {w['output_tokens']} "
              f"output tokens), load avg {result['record']['machine']['loadavg_start'][0]:.2f} → "
@@ -529,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every system (default 2)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="offline runs of each llmc, genai and OpenVINO system, alternating; the median is reported (default 3)")
+    parser.add_argument("--model", choices=("llama-32m", *REAL_MODELS), default="llama-32m",
+                        help="the 32M Llama (random weights, every system and the interference run), or a real "
+                             "checkpoint (real-text prompts; llmc, onnxruntime-genai and the OpenVINO systems, "
+                             "llmc one token a step)")
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR),
                         help="where the checkpoint is cached and models are built (default bench/.work)")
     argv = sys.argv[1:] if argv is None else argv

@@ -223,10 +223,12 @@ def test_openvino_peer_gets_columns_rows_and_the_cpu_flags_while_older_files_ren
     folder, output, _ = tree
     assert run(tree) == 0
     before = output.read_text()
-    assert "OpenVINO" not in before and "CPU flags" not in before
+    for title in ("## Latency", "## Serving"):
+        section = before.split(title)[1].split("\n## ")[0]
+        assert "OpenVINO" not in section and "CPU flags" not in section
     latency, serving = copy.deepcopy(LATENCY), copy.deepcopy(SERVING)
     latency["record"]["machine"]["cpu_flags"] = ["avx512_bf16", "avx512f", "avx512_vnni"]
-    latency["table"][0] |= {"openvino": 50.0, "openvino-f32": 30.0}
+    latency["table"][0] |= {"openvino": 50.0, "openvino-f32": 30.0, "ratio_openvino": 1.2, "ratio_openvino-f32": 2.0}
     latency["table"][3] |= {"openvino": None, "openvino-f32": None}  # a row its worker does not measure
     latency["openvino"] = {"versions": {"openvino": "2026.4.1", "openvino-genai": "2026.4.1.0"}}
     latency["peer_errors"] = {"openvino-f32 int4": "RuntimeError: openvino worker exited with 1"}
@@ -306,6 +308,19 @@ def test_latency_rows_get_the_machine_limit_of_their_work(trained_engine):
     assert latency_bench.share_of_limit(None, {"value": 100.0}, higher=False) is None
 
 
+def test_a_latency_ratio_pairs_each_run_with_its_peers_same_run():
+    """Drift moves both systems of a run alike: the paired median holds where the medians' ratio does not."""
+    latency_bench = _load("latency_bench")
+    mine = [{"run": 0, "rate": 100.0}, {"run": 1, "rate": 60.0}, {"run": 2, "rate": 80.0}]
+    theirs = [{"run": 0, "tok": 95.0}, {"run": 1, "tok": 57.0}, {"run": 2, "tok": 100.0}]
+    # runs' ratios 1.053, 1.053, 0.8 -> median 1.05; the medians' ratio would be 80/95 = 0.84
+    assert latency_bench.paired_ratio(mine, theirs, "rate", "tok") == 1.05
+    # a run the peer missed (it failed) pairs with nothing; no common run gives no ratio
+    assert latency_bench.paired_ratio(mine, theirs[2:], "rate", "tok") == 0.8
+    assert latency_bench.paired_ratio(mine[:1], theirs[1:], "rate", "tok") is None
+    assert latency_bench.paired_ratio([{"run": 0, "rate": None}], theirs, "rate", "tok") is None
+
+
 def test_latency_limits_render_as_two_columns_and_a_note(tree):
     folder, output, _ = tree
     latency = copy.deepcopy(LATENCY)
@@ -325,7 +340,9 @@ def test_latency_limits_render_as_two_columns_and_a_note(tree):
 def test_llmc_openvino_backend_rows_render_beside_openvino_genai(tree):
     folder, output, _ = tree
     latency = copy.deepcopy(LATENCY)
+    # the ÷ columns print the benchmark's paired ratios (0.97, 1.02), not the medians' (60/64, 48/46)
     latency["table"][0] |= {"openvino": 64.0, "openvino-f32": 46.0, "llmc-openvino": 60.0, "llmc-openvino-f32": 48.0,
+                            "ratio_llmc-openvino": 0.97, "ratio_llmc-openvino-f32": 1.02,
                             "limit": {"value": 70.0, "bound": "memory"}, "llmc_share_of_limit": 0.86,
                             "llmc-openvino_share_of_limit": 0.857, "llmc-openvino-f32_share_of_limit": 0.686}
     latency["table"][3] |= {"openvino": None, "openvino-f32": None}
@@ -335,7 +352,7 @@ def test_llmc_openvino_backend_rows_render_beside_openvino_genai(tree):
     section = output.read_text().split("## Latency")[1].split("\n## ")[0]
     assert ("| measure | llmc --backend openvino --bf16 | OpenVINO GenAI | ÷ | llmc --backend openvino "
             "| OpenVINO GenAI f32 | ÷ | machine limit |") in section
-    assert "| decode, batch 1, fp32 (tok/s) | 60 | 64 | 0.94 | 48 | 46 | 1.04 | 70 (memory) | 86% | 69% |" in section
+    assert "| decode, batch 1, fp32 (tok/s) | 60 | 64 | 0.97 | 48 | 46 | 1.02 | 70 (memory) | 86% | 69% |" in section
     assert section.count("| decode, static batch of 16") == 1  # rows it did not run are left out of its table
 
 
