@@ -243,16 +243,29 @@ def render_llmc_openvino(result: Result) -> list[str]:
 def render_serving(result: Result) -> list[str]:
     systems = result.get("systems")
     llmc = systems.get("llmc", {}).get("throughput_tok_s")
+    limit = result.get("limit", default=None)  # absent from a file measured before it was
     rows = []
     for name, system in systems.items():
         rows.append([name, num(system.get("throughput_tok_s")), num(system.get("ttft_ms_p50")),
                      num(system.get("ttft_ms_p99")), ratio(llmc, system.get("throughput_tok_s"))])
+        if limit:
+            share = system.get("share_of_limit")
+            rows[-1].append(f"{share:.0%}" if share is not None else "-")
     failed = {name for key in (result.get("errors", default=None) or {}) for name in key.split(", ")}
-    rows += [[name, "-", "-", "-", "-"] for name in OPENVINO if name in failed and name not in systems]
+    rows += [[name, "-", "-", "-", "-", *(["-"] if limit else [])]
+             for name in OPENVINO if name in failed and name not in systems]
     workload = result.get("workload")
     lines = [f"{workload['requests']} requests, {workload['prompt_tokens']:,} prompt and "
              f"{workload['output_tokens']:,} output tokens; {result.get('threads')} threads for every system.", ""]
-    lines += table(["system", "useful tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "llmc ÷ system"], rows)
+    lines += table(["system", "useful tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "llmc ÷ system",
+                    *(["of the machine limit"] if limit else [])], rows)
+    if limit:
+        used = result.get("machine_limits", "used")
+        lines += ["", f"Machine limit: {num(limit['value'])} useful tok/s ({limit['bound']}-bound), from this run's "
+                      f"measured bandwidth ({used['memory_bytes_per_s'] / 1e9:.1f} GB/s) and fp32 peak "
+                      f"({used['flops_per_s'] / 1e9:.0f} GFLOP/s): every prompt and output token through the model "
+                      "once with causal attention (compute), and at least as many steps as the longest output, each "
+                      "reading every weight (memory). bf16 compute doubles the peak, so a bf16 system can pass it."]
     if any(name in systems for name in OPENVINO):
         versions = next((systems[name].get("versions") for name in OPENVINO if name in systems), None)
         lines += ["", f"openvino, openvino-f32: {openvino_note(versions)} Its continuous batching, each request "

@@ -44,6 +44,9 @@ prompts cut from real text (held-out Python source) and the systems llmc, genai,
 openvino-f32, llmc-openvino and llmc-openvino-f32, built by latency_bench's `build`; llmc's engines
 decode one token a step (speculative_tokens=0), so that guessing does not flatter them.
 
+Every run reports the machine's limit for scenario 1 (`workload_limit`: the machine's bandwidth
+and fp32 peak measured before and after the runs, the better of each) and each system's share of it.
+
 Scenario 2, interference (llmc only, the 32M Llama): 16 short requests (prompts 32-128, 16 output tokens)
 arriving at Poisson times after t=0, alone and with one 3,000-token prompt (64 output tokens)
 added at t=0. Reported: the short requests' p99 TTFT in both runs and their ratio.
@@ -376,6 +379,33 @@ def run_interference(engine_path: Path, shorts: list[BenchRequest], mixed: list[
 # --- the run ---------------------------------------------------------------------------------
 
 
+def workload_limit(engine: Path, machine: dict[str, float], workload: list[BenchRequest]) -> dict[str, Any]:
+    """The most useful tokens a second this machine can give `workload` on `engine`'s model
+    (runtime/roofline.py's costs, fp32): every prompt and output token through the model once,
+    attention over each token's causal context (compute), and no fewer steps than the longest
+    output, each reading every weight (memory); the larger of the two times bounds it. Computing
+    in bf16 doubles the peak and halves the bytes, so a bf16 system can pass it."""
+    from llmc.formats.engine_file import read_engine
+    from llmc.runtime.roofline import (Cost, MachineLimits, bound, graph_weights, head_parameters, model_weights,
+                                       step_cost)
+
+    manifest = read_engine(engine, verify=False).manifest
+    weights = graph_weights(engine)
+    weight_bytes, params = model_weights(weights)
+    head = head_parameters(weights, manifest.geometry.vocab_size)
+    flops = 0.0
+    for request in workload:
+        prompt, output = len(request.prompt), request.output_len
+        tokens = prompt + output - 1  # the last output token is sampled, never run
+        attended = prompt * (prompt + 1) / 2 + sum(range(prompt + 1, prompt + output))
+        flops += step_cost(weight_bytes, manifest.geometry, tokens, tokens, 4, params=params, sequences=1,
+                           attended=attended, head_params=head, logit_rows=output).flops
+    steps = max(request.output_len for request in workload)
+    b = bound(Cost(bytes=weight_bytes * steps, flops=flops), MachineLimits(**machine), 1.0)
+    useful = sum(request.output_len for request in workload)
+    return {"value": round(useful / max(b["memory_s"], b["compute_s"]), 1), "bound": b["bound"]}
+
+
 def openvino_model(checkpoint: Path) -> tuple[Path, Path]:
     """OpenVINO GenAI's venv python and its fp32 export of `checkpoint` (bench/openvino_peer.py)."""
     python = openvino_peer.peer_python()
@@ -449,6 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(f"build: OpenVINO GenAI FAILED: {errors[', '.join(OPENVINO)]}")
     # Rounds in alternating order, each system's median kept: a shared machine's speed drifts
     # within minutes, and alternating spreads the drift over both systems.
+    limits = [latency_bench.measure_machine(args.threads)]  # again at the end: the larger of each is the limit
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for round_ in range(args.rounds):
         for name in (list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]):
@@ -481,6 +512,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if summary is not None:
                 systems[name] = summary
 
+    limits.append(latency_bench.measure_machine(args.threads))
+    machine = {key: max(measured[key] for measured in limits) for key in limits[0]}
+    limit = workload_limit(Path(jobs["llmc"]["engine"]), machine, workload)
+    for system in systems.values():
+        system["share_of_limit"] = round(system["throughput_tok_s"] / limit["value"], 3)
     ratios = {}
     if "llmc" in systems:
         mine = systems["llmc"]["throughput_tok_s"]
@@ -510,7 +546,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "output_tokens": sum(r.output_len for r in workload)},
         "engine": engine,
         "systems": systems, "ratios": ratios, "interference": interference, "errors": errors,
-        "goals": GOALS,
+        "limit": limit, "machine_limits": {"measured": limits, "used": machine}, "goals": GOALS,
         "record": finished,
     }
 
@@ -536,6 +572,11 @@ def render(result: dict[str, Any]) -> str:
     lines += ["  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(r, widths)))
               for r in rows]
     llmc = result["systems"].get("llmc")
+    limit = result.get("limit")
+    if limit:
+        lines += ["", f"machine limit: {limit['value']} tok/s ({limit['bound']}, fp32); "
+                      + ", ".join(f"{name} {s['share_of_limit']:.0%}" for name, s in result["systems"].items()
+                                  if "share_of_limit" in s)]
     if llmc:
         lines += ["", f"llmc: TTFT p50 {llmc['ttft_ms_p50']} ms, p99 {llmc['ttft_ms_p99']} ms; TPOT p50 "
                       f"{llmc['tpot_ms_p50']} ms, p99 {llmc['tpot_ms_p99']} ms; kv_utilization "

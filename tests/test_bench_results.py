@@ -321,6 +321,47 @@ def test_a_latency_ratio_pairs_each_run_with_its_peers_same_run():
     assert latency_bench.paired_ratio([{"run": 0, "rate": None}], theirs, "rate", "tok") is None
 
 
+def test_a_serving_workload_gets_the_machine_limit_of_its_tokens(trained_engine):
+    """bench/serving_bench.py's limit: every token through the model once, or the longest output's
+    steps each reading the weights, whichever takes longer."""
+    serving_bench = _load("serving_bench")
+    config = json.loads((REPO / "data" / "pystdlib-llama" / "config.json").read_text())
+    hidden, inter, layers, vocab = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                       "vocab_size"))
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    body = layers * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter)
+    head = hidden * vocab
+    workload = [serving_bench.BenchRequest(list(range(10)), 4), serving_bench.BenchRequest(list(range(30)), 8)]
+    flops = 0
+    for prompt, output in ((10, 4), (30, 8)):
+        attended = prompt * (prompt + 1) / 2 + sum(range(prompt + 1, prompt + output))
+        flops += 2 * body * (prompt + output - 1) + 2 * head * output + 4 * heads * head_dim * layers * attended
+    compute = serving_bench.workload_limit(trained_engine, {"memory_bytes_per_s": 1e15, "flops_per_s": 1e11,
+                                                             "threads": 2}, workload)
+    assert compute["bound"] == "compute"
+    assert compute["value"] == pytest.approx(12 / (flops / 1e11), rel=0.01)
+    memory = serving_bench.workload_limit(trained_engine, {"memory_bytes_per_s": 1e9, "flops_per_s": 1e15,
+                                                            "threads": 2}, workload)
+    read_s = 8 * (body + head) * 4 / 1e9  # the longest output's 8 steps, fp32 weights (the norms: within 5%)
+    assert memory["bound"] == "memory"
+    assert 12 / read_s / 1.05 < memory["value"] <= 12 / read_s
+
+
+def test_serving_renders_each_systems_share_of_the_machine_limit(tree):
+    folder, output, _ = tree
+    serving = copy.deepcopy(SERVING)
+    serving["systems"]["llmc"]["share_of_limit"] = 0.5
+    serving["limit"] = {"value": 1600.0, "bound": "compute"}
+    serving["machine_limits"] = {"used": {"memory_bytes_per_s": 3.2e10, "flops_per_s": 2.0e11, "threads": 2}}
+    (folder / "serving.json").write_text(json.dumps(serving))
+    assert run(tree) == 0
+    section = output.read_text().split("## Serving")[1].split("\n## ")[0]
+    assert "| llmc ÷ system | of the machine limit |" in section
+    assert "| llmc | 800 | 2,000 | 5,000 | 1.00 | 50% |" in section
+    assert "| genai | 400 | - | - | 2.00 | - |" in section  # a system without its share (not measured so)
+    assert "Machine limit: 1,600 useful tok/s (compute-bound), from this run's measured bandwidth (32.0 GB/s)" in section
+
+
 def test_latency_limits_render_as_two_columns_and_a_note(tree):
     folder, output, _ = tree
     latency = copy.deepcopy(LATENCY)
