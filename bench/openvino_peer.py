@@ -16,7 +16,8 @@ of the folder's files.
 (``python bench/openvino_peer.py worker < JOB.json`` prints one JSON line), on the CPU at
 ``job["threads"]`` threads (the CPU plugin's INFERENCE_NUM_THREADS), with OpenVINO's default
 compute precision (bf16 on CPUs with avx512_bf16 or AMX) or ``job["hint"]`` as its
-INFERENCE_PRECISION_HINT ("f32" to compare like for like). Prompts are token ids (the caller
+INFERENCE_PRECISION_HINT ("f32" to compare like for like), and ``job["properties"]``' other CPU
+properties where a probe sets them (KV_CACHE_PRECISION, ...). Prompts are token ids (the caller
 tokenizes), greedy, EOS ignored (min_new_tokens = max_new_tokens). What a job may ask, each optional:
 
   decode     one prompt through `LLMPipeline.generate` (OpenVINO's own scheduler behind it: paged
@@ -236,6 +237,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     properties = {"INFERENCE_NUM_THREADS": job["threads"]}
     if job.get("hint"):
         properties["INFERENCE_PRECISION_HINT"] = job["hint"]
+    properties.update(job.get("properties", {}))  # a probe's other settings (KV_CACHE_PRECISION, ...)
     out: dict[str, Any] = {"versions": {name: importlib.metadata.version(name) for name in ("openvino", "openvino-genai")}}
     cpu0, wall0 = sum(os.times()[:2]), time.perf_counter()
     pipe = og.LLMPipeline(job["model"], "CPU", **properties)

@@ -271,7 +271,7 @@ def render_serving(result: Result) -> list[str]:
         lines += ["", f"openvino, openvino-f32: {openvino_note(versions)} Its continuous batching, each request "
                       "added at its arrival."]
     ratios = result.get("ratios", default=None) or {}
-    alike = [f"{name} ÷ {peer}: {num(ratios[f'{name}_vs_{peer}'])}" for name, (_, peer) in LLMC_OPENVINO.items()
+    alike = [f"{name} ÷ {peer}: {stored_ratio(ratios[f'{name}_vs_{peer}'])}" for name, (_, peer) in LLMC_OPENVINO.items()
              if f"{name}_vs_{peer}" in ratios]
     if alike:
         lines += ["", "llmc's OpenVINO backend (llmc-openvino: `--backend openvino --bf16`; llmc-openvino-f32: without "

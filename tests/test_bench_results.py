@@ -406,4 +406,4 @@ def test_serving_names_llmc_openvino_against_its_like(tree):
     assert run(tree) == 0
     section = output.read_text().split("## Serving")[1].split("\n## ")[0]
     assert "| llmc-openvino | 1,100 | - | - | 0.73 |" in section
-    assert "with the same compute precision: llmc-openvino ÷ openvino: 1.1." in section
+    assert "with the same compute precision: llmc-openvino ÷ openvino: 1.10." in section
