@@ -277,15 +277,21 @@ def test_a_peer_that_could_not_be_installed_renders_dashes_and_the_reason(tree):
     assert f"Failed: openvino, openvino-f32: install or export: {reason}" in serving_section
 
 
-def test_latency_rows_get_the_machine_limit_of_their_work(trained_engine):
-    """bench/latency_bench.py's limits, against the model's parameters counted from its config."""
-    latency_bench = _load("latency_bench")
+def trained_model_shape() -> tuple[int, int, int, int, int, int]:
+    """The trained model's (layers, heads, kv heads, head dim, linear parameters below the LM head,
+    LM head parameters), counted from its config.json."""
     config = json.loads((REPO / "data" / "pystdlib-llama" / "config.json").read_text())
     hidden, inter, layers, vocab = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                                        "vocab_size"))
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     body = layers * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter)
-    head = hidden * vocab
+    return layers, heads, kv_heads, head_dim, body, hidden * vocab
+
+
+def test_latency_rows_get_the_machine_limit_of_their_work(trained_engine):
+    """bench/latency_bench.py's limits, against the model's parameters counted from its config."""
+    latency_bench = _load("latency_bench")
+    layers, heads, kv_heads, head_dim, body, head = trained_model_shape()
     sizes = latency_bench.Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=1)
     machine = {"memory_bytes_per_s": 1e10, "flops_per_s": 1e11, "threads": 2}
     limits = latency_bench.row_limits(trained_engine, machine, sizes, text_prompt=None)
@@ -325,12 +331,7 @@ def test_a_serving_workload_gets_the_machine_limit_of_its_tokens(trained_engine)
     """bench/serving_bench.py's limit: every token through the model once, or the longest output's
     steps each reading the weights, whichever takes longer."""
     serving_bench = _load("serving_bench")
-    config = json.loads((REPO / "data" / "pystdlib-llama" / "config.json").read_text())
-    hidden, inter, layers, vocab = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                       "vocab_size"))
-    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    body = layers * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter)
-    head = hidden * vocab
+    layers, heads, kv_heads, head_dim, body, head = trained_model_shape()
     workload = [serving_bench.BenchRequest(list(range(10)), 4), serving_bench.BenchRequest(list(range(30)), 8)]
     flops = 0
     for prompt, output in ((10, 4), (30, 8)):
@@ -347,15 +348,20 @@ def test_a_serving_workload_gets_the_machine_limit_of_its_tokens(trained_engine)
     assert 12 / read_s / 1.05 < memory["value"] <= 12 / read_s
 
 
-def test_serving_renders_each_systems_share_of_the_machine_limit(tree):
+def rendered_section(tree, file: str, result: dict, title: str) -> str:
+    """The section under `title` of RESULTS.md rendered with `result` as the results folder's `file`."""
     folder, output, _ = tree
+    (folder / file).write_text(json.dumps(result))
+    assert run(tree) == 0
+    return output.read_text().split(title)[1].split("\n## ")[0]
+
+
+def test_serving_renders_each_systems_share_of_the_machine_limit(tree):
     serving = copy.deepcopy(SERVING)
     serving["systems"]["llmc"]["share_of_limit"] = 0.5
     serving["limit"] = {"value": 1600.0, "bound": "compute"}
     serving["machine_limits"] = {"used": {"memory_bytes_per_s": 3.2e10, "flops_per_s": 2.0e11, "threads": 2}}
-    (folder / "serving.json").write_text(json.dumps(serving))
-    assert run(tree) == 0
-    section = output.read_text().split("## Serving")[1].split("\n## ")[0]
+    section = rendered_section(tree, "serving.json", serving, "## Serving")
     assert "| llmc ÷ system | of the machine limit |" in section
     assert "| llmc | 800 | 2,000 | 5,000 | 1.00 | 50% |" in section
     assert "| genai | 400 | - | - | 2.00 | - |" in section  # a system without its share (not measured so)
