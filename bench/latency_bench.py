@@ -61,9 +61,9 @@ ratio is the median of the runs' own ratios (`paired_ratio`), not of the medians
                       beside those rows' figures; the profiler slows them, so the figures are the
                       runs' without it
 
-Prompts are fresh random token ids in every request and run (the same for every system in a run; ids ≥ 260, no special tokens; no
-prefix can be cached), EOS ignored (llmc: ignore_eos; genai: min_length = max_length). Rates and
-latencies are medians over `--reps` runs (default 3). The machine's load average is recorded at
+Prompts are fresh random token ids in every request and run (the same for every system in a run;
+ids ≥ 260, no special tokens; no prefix can be cached), EOS ignored (llmc: ignore_eos; genai:
+min_length = max_length). Rates and latencies are medians over `--reps` runs (default 3). The machine's load average is recorded at
 the start and end.
 
     python bench/latency_bench.py [--model llama-25m|smollm2|llama-1b] [--quick] [--json] [--save-json PATH]
@@ -434,18 +434,31 @@ def measure_machine(threads: int) -> dict[str, float]:
     return measure_limits(threads).as_dict()
 
 
+def engine_size(engine: Path) -> tuple[Any, int, int, int]:
+    """`engine`'s manifest, its weights' stored bytes, its linear layers' parameters and the LM
+    head's among them (runtime/roofline.py's counts)."""
+    from llmc.formats.engine_file import read_engine
+    from llmc.runtime.roofline import graph_weights, head_parameters, model_weights
+
+    manifest = read_engine(engine, verify=False).manifest
+    weights = graph_weights(engine)
+    weight_bytes, params = model_weights(weights)
+    return manifest, weight_bytes, params, head_parameters(weights, manifest.geometry.vocab_size)
+
+
+def better_limits(measured: list[dict[str, float]]) -> dict[str, float]:
+    """Of several `measure_machine` results, the better of each figure: a busy moment measures low."""
+    return {key: max(limits[key] for limits in measured) for key in measured[0]}
+
+
 def row_limits(engine: Path, limits: dict[str, float], sizes: Sizes, text_prompt: float | None) -> dict[str, dict]:
     """By row key: the fastest the row's work can run on this machine ("value": tok/s for a rate,
     ms for a time to first token) and what bounds it ("memory" or "compute"), for `engine`'s
     weights and geometry. A speculating row can pass it: a step then yields several tokens for one
     read of the weights. `text_prompt`: the real-text prompts' mean length (None: no such rows)."""
-    from llmc.formats.engine_file import read_engine
-    from llmc.runtime.roofline import MachineLimits, bound, graph_weights, head_parameters, model_weights, step_cost
+    from llmc.runtime.roofline import MachineLimits, bound, step_cost
 
-    manifest = read_engine(engine, verify=False).manifest
-    weights = graph_weights(engine)
-    weight_bytes, params = model_weights(weights)
-    head = head_parameters(weights, manifest.geometry.vocab_size)
+    manifest, weight_bytes, params, head = engine_size(engine)
     kv_bytes = 2 if manifest.paged is not None and manifest.paged.kv_dtype == "float16" else 4
     machine = MachineLimits(**limits)
     shapes = {"decode": (1, 1, sizes.prompt + sizes.new_tokens / 2),
@@ -695,7 +708,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if not k.endswith("_outputs") and k not in ("versions", "scheduler")))
 
     limits.append(measure_machine(args.threads))
-    machine = {key: max(m[key] for m in limits) for key in limits[0]}
+    machine = better_limits(limits)
     text_prompt = sum(map(len, texts)) / len(texts) if texts else None
     ceilings = {p: row_limits(built["paths"]["llmc"][p], machine, sizes, text_prompt) for p in precisions}
 

@@ -385,14 +385,9 @@ def workload_limit(engine: Path, machine: dict[str, float], workload: list[Bench
     attention over each token's causal context (compute), and no fewer steps than the longest
     output, each reading every weight (memory); the larger of the two times bounds it. Computing
     in bf16 doubles the peak and halves the bytes, so a bf16 system can pass it."""
-    from llmc.formats.engine_file import read_engine
-    from llmc.runtime.roofline import (Cost, MachineLimits, bound, graph_weights, head_parameters, model_weights,
-                                       step_cost)
+    from llmc.runtime.roofline import Cost, MachineLimits, bound, step_cost
 
-    manifest = read_engine(engine, verify=False).manifest
-    weights = graph_weights(engine)
-    weight_bytes, params = model_weights(weights)
-    head = head_parameters(weights, manifest.geometry.vocab_size)
+    manifest, weight_bytes, params, head = latency_bench.engine_size(engine)
     flops = 0.0
     for request in workload:
         prompt, output = len(request.prompt), request.output_len
@@ -428,7 +423,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         paths = built["paths"]
         recipe |= {"text": str(checkpoint), "special": [], "speculative_tokens": 0}
         workload = text_workload(scale, args.seed, checkpoint)
-        engine = {"paged": None, "build_s": built["seconds"]["llmc_compile"]}
+        from llmc.formats.engine_file import read_manifest
+
+        engine = {"paged": read_manifest(paths["llmc"]["fp32"])["paged"], "build_s": built["seconds"]["llmc_compile"]}
         jobs = {name: {"run": "llmc", "engine": str(paths[name]["fp32"])} for name in ("llmc", *LLMC_OPENVINO)
                 if paths[name]["fp32"].is_file()}
         genai_config = paths["genai"]["fp32"] / "genai_config.json"
@@ -513,7 +510,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 systems[name] = summary
 
     limits.append(latency_bench.measure_machine(args.threads))
-    machine = {key: max(measured[key] for measured in limits) for key in limits[0]}
+    machine = latency_bench.better_limits(limits)
     limit = workload_limit(Path(jobs["llmc"]["engine"]), machine, workload)
     for system in systems.values():
         system["share_of_limit"] = round(system["throughput_tok_s"] / limit["value"], 3)
