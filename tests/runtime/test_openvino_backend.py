@@ -261,3 +261,39 @@ def test_the_bf16_check_refuses_a_cpu_without_bf16_unless_forced():
     assert check_bf16(b"", [], max_ppl_increase=3.0, force=True, flags=frozenset({"avx512f"}),
                       progress=warnings.append) is None
     assert warnings and warnings[0].startswith("warning: --bf16:")
+
+
+@pytest.mark.parametrize("with_positions, interleaved", [(False, 0), (False, 1), (True, 0)])
+def test_rotary_read_with_tokens_as_batch_computes_what_the_3d_op_does(with_positions, interleaved):
+    """The reading OpenVINO is given (`rotary_tokens_as_batch`) against onnxruntime on the
+    unmodified 3-D op: per-token cos/sin rows, or position ids into a table."""
+    from onnx import TensorProto, helper
+
+    from llmc.runtime.backends.openvino import rotary_tokens_as_batch
+
+    tokens, heads, head_dim, table = 7, 3, 8, 32
+    rng = np.random.default_rng(0)
+    positions = rng.permutation(table)[:tokens][None]  # tokens of sequences at unrelated positions
+    angles = np.arange(table)[:, None] * 0.3 ** np.arange(head_dim // 2)
+    feeds = {"x": rng.standard_normal((1, tokens, heads * head_dim)).astype(np.float32)}
+    if with_positions:
+        feeds.update(cos=np.cos(angles).astype(np.float32), sin=np.sin(angles).astype(np.float32),
+                     position_ids=positions.astype(np.int64))
+    else:
+        feeds.update(cos=np.cos(angles[positions]).astype(np.float32), sin=np.sin(angles[positions]).astype(np.float32))
+    inputs = [helper.make_tensor_value_info(name, TensorProto.INT64 if name == "position_ids" else TensorProto.FLOAT,
+                                            list(value.shape)) for name, value in feeds.items()]
+    node = helper.make_node("RotaryEmbedding", list(feeds), ["y"], num_heads=heads, interleaved=interleaved)
+    graph = helper.make_graph([node], "rotary", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+
+    def run(g):
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    expected = run(graph)
+    rotary_tokens_as_batch(graph, head_dim)
+    assert [n.op_type for n in graph.node].count("RotaryEmbedding") == 1
+    assert all(a.name != "num_heads" for a in graph.node[-2].attribute)  # read as the 4-D op
+    got = run(graph)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
