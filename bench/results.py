@@ -435,14 +435,15 @@ BENCHMARKS = [
     Benchmark("serving.json", "Serving throughput: llmc against onnxruntime-genai and transformers",
               "A 32M-parameter Llama (random weights) serving 64 requests at once (prompts 16-512 tokens, outputs\n"
               "16-128): llmc's continuous batching against onnxruntime-genai and transformers' `generate` in static\n"
-              "batches; useful tokens a second, medians of 3 alternating rounds. Also the short requests' p99 TTFT\n"
-              "with a 3,000-token prompt in flight.",
+              "batches; useful tokens a second, each system's median of 3 rounds. The systems compared run back to\n"
+              "back, and a ratio is the median of the rounds' own ratios. Also the short requests' p99 TTFT with a\n"
+              "3,000-token prompt in flight.",
               "python bench/serving_bench.py --save-json bench/results/serving.json", render_serving),
     Benchmark("serving_smollm2.json", "Serving throughput on SmolLM2-135M: llmc against OpenVINO GenAI",
               "The same offline workload on SmolLM2-135M-Instruct, prompts cut from real text (held-out Python\n"
               "source): llmc on onnxruntime and on its OpenVINO backend, one token a step (no speculation),\n"
-              "against onnxruntime-genai in static batches and OpenVINO GenAI's continuous batching; medians of\n"
-              "3 alternating rounds.",
+              "against onnxruntime-genai in static batches and OpenVINO GenAI's continuous batching; each\n"
+              "system's median of 3 rounds, the systems compared back to back, a ratio the median of the rounds'.",
               "python bench/serving_bench.py --model smollm2 --save-json bench/results/serving_smollm2.json",
               render_serving),
     Benchmark("serving_llama_1b.json", "Serving throughput at 1B parameters",

@@ -2,8 +2,10 @@
 
 The checkpoint is optimize_bench's ~32M-parameter Llama (random seeded weights), with 4,096
 positions so that a 3,000-token prompt fits. CPU, the same thread count everywhere, each system's
-run in a fresh process of its own (not the one that built the models); the llmc and genai runs
-go in `--rounds` rounds (default 3), alternating their order, and each reports its median:
+run in a fresh process of its own (not the one that built the models), in `--rounds` rounds
+(default 3); each system reports its median round. The systems compared go in pairs, back to back
+(PAIRS: llmc and genai, each of llmc's OpenVINO engines and OpenVINO GenAI in the same precision;
+`round_order`), and a pair's ratio is the median of its rounds' own ratios:
 
 Scenario 1, offline throughput: N requests (default 64) with prompts of 16-512 random tokens and
 outputs of 16-128 tokens (uniform, seeded), all at t=0; exact output lengths (EOS ignored).
@@ -94,6 +96,10 @@ GROUP = 16  # static batch size of hf-static and genai (the engine runs its defa
 # (same engine, same pool) against genai in groups of this many.
 WIDE = 32  # onnxruntime-genai refuses batches over 32 ("batch_size (64) must be in [1, 32]")
 OPENVINO = {"openvino": None, "openvino-f32": "f32"}  # system name -> INFERENCE_PRECISION_HINT
+# The systems compared, each ratio from runs back to back (`round_order`): llmc and genai at both
+# widths, each of llmc's OpenVINO engines and OpenVINO GenAI in the same precision.
+PAIRS = (("llmc", "genai"), (f"llmc-{WIDE}", f"genai-{WIDE}"),
+         *((name, peer) for name, (_, peer) in LLMC_OPENVINO.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +407,17 @@ def workload_limit(engine: Path, machine: dict[str, float], workload: list[Bench
     return {"value": round(useful / max(b["memory_s"], b["compute_s"]), 1), "bound": b["bound"]}
 
 
+def round_order(names: list[str], round_: int) -> list[str]:
+    """The order of one round's runs: each of PAIRS that is here back to back, the pairs' order
+    rotating from round to round and each pair's alternating, then the other systems, alternating.
+    This machine's speed drifts by ±15% within minutes; a pair run back to back sees the same."""
+    pairs = [pair if round_ % 2 == 0 else pair[::-1] for pair in PAIRS if all(name in names for name in pair)]
+    turn = round_ % len(pairs) if pairs else 0
+    ordered = [name for pair in pairs[turn:] + pairs[:turn] for name in pair]
+    rest = [name for name in names if name not in ordered]
+    return ordered + (rest if round_ % 2 == 0 else rest[::-1])
+
+
 def openvino_model(checkpoint: Path) -> tuple[Path, Path]:
     """OpenVINO GenAI's venv python and its fp32 export of `checkpoint` (bench/openvino_peer.py)."""
     python = openvino_peer.peer_python()
@@ -474,12 +491,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as exc:  # no registry, or a failed export: both settings' rows say why
         errors[", ".join(OPENVINO)] = f"install or export: {type(exc).__name__}: {str(exc).strip()}"[:1000]
         log(f"build: OpenVINO GenAI FAILED: {errors[', '.join(OPENVINO)]}")
-    # Rounds in alternating order, each system's median kept: a shared machine's speed drifts
-    # within minutes, and alternating spreads the drift over both systems.
     limits = [latency_bench.measure_machine(args.threads)]  # again at the end: the larger of each is the limit
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in jobs}
     for round_ in range(args.rounds):
-        for name in (list(jobs) if round_ % 2 == 0 else list(jobs)[::-1]):
+        for name in round_order(list(jobs), round_):
             if jobs[name]["run"] == "openvino" and name in errors:  # failed once: later rounds would alike
                 continue
             # llmc's first run profiled again (not at 1B, where a run takes minutes)
@@ -489,7 +504,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 summary = attempt(name, lambda job=job: in_fresh_process(CHILD, job))
             if summary is not None:
-                runs[name].append(summary)
+                runs[name].append({**summary, "run": round_})
     for name, done in runs.items():
         if done:
             profiles = [summary.pop("profile") for summary in done if "profile" in summary]
@@ -526,12 +541,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "llmc-kv16" in systems and name in systems:
             ratios[f"llmc-kv16_vs_{name}"] = round(
                 systems["llmc-kv16"]["throughput_tok_s"] / systems[name]["throughput_tok_s"], 2)
-    for name, (_, peer) in LLMC_OPENVINO.items():
-        if name in systems and peer in systems:
-            ratios[f"{name}_vs_{peer}"] = round(systems[name]["throughput_tok_s"] / systems[peer]["throughput_tok_s"], 2)
-    if f"llmc-{WIDE}" in systems and f"genai-{WIDE}" in systems:
-        ratios[f"llmc-{WIDE}_vs_genai-{WIDE}"] = round(
-            systems[f"llmc-{WIDE}"]["throughput_tok_s"] / systems[f"genai-{WIDE}"]["throughput_tok_s"], 2)
+    for mine, theirs in PAIRS:  # each round's own ratio, its median: the pair saw the same drift
+        paired = latency_bench.paired_ratio(runs.get(mine, []), runs.get(theirs, []), "throughput_tok_s",
+                                            "throughput_tok_s")
+        if paired is not None:
+            ratios[f"{mine}_vs_{theirs}"] = paired
     finished = record.finish(began)
     finished["machine"]["cpu_flags"] = cpu_flags()
     return {

@@ -327,6 +327,23 @@ def test_a_latency_ratio_pairs_each_run_with_its_peers_same_run():
     assert latency_bench.paired_ratio([{"run": 0, "rate": None}], theirs, "rate", "tok") is None
 
 
+def test_serving_rounds_run_each_compared_pair_back_to_back():
+    """bench/serving_bench.py's order: every system once a round, each pair adjacent, the pair
+    running first rotating and each pair's order alternating from round to round."""
+    serving_bench = _load("serving_bench")
+    names = ["llmc", "llmc-openvino", "llmc-openvino-f32", "genai", "openvino", "openvino-f32", "llmc-kv16"]
+    pairs = [pair for pair in serving_bench.PAIRS if all(name in names for name in pair)]
+    assert len(pairs) == 3
+    orders = [serving_bench.round_order(names, round_) for round_ in range(3)]
+    for round_, order in enumerate(orders):
+        assert sorted(order) == sorted(names)
+        for mine, theirs in pairs:
+            assert abs(order.index(mine) - order.index(theirs)) == 1
+            assert (order.index(mine) < order.index(theirs)) == (round_ % 2 == 0)
+    assert len({tuple(sorted(order[:2])) for order in orders}) == 3  # each pair goes first once
+    assert serving_bench.round_order(["llmc", "openvino"], 1) == ["openvino", "llmc"]  # no pair here
+
+
 def test_a_serving_workload_gets_the_machine_limit_of_its_tokens(trained_engine):
     """bench/serving_bench.py's limit: every token through the model once, or the longest output's
     steps each reading the weights, whichever takes longer."""
