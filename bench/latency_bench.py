@@ -33,8 +33,10 @@ ratio is the median of the runs' own ratios (`paired_ratio`), not of the medians
                       `import onnxruntime_genai` included) to the first token of a 16-token prompt
   RSS after load      VmRSS once the engine (llmc: Engine(), with its warm-up) or og.Model is loaded
   decode, batch 1     after one unmeasured warm-up request: a 128-token prompt, 128 new tokens;
-                      time to first token from adding the request, decode rate = the tokens after
-                      the first ÷ their time
+                      decode rate = the tokens after the first ÷ their time
+  TTFT, 128 tokens    the median of five 128-token prompts, one new token each, one at a time, from
+                      adding the request (`ttft_prompts`: the same prompts for every system of a
+                      run; a lone first token of ~0.1 s moves by ±10% here)
   TTFT, long prompt   two 2,048-token prompts, one new token each; the second is reported
                       (the first, cold, is kept in the JSON)
   decode, batch 16    16 requests of 128 + 128 at once (llmc: added together to one Engine with
@@ -112,6 +114,7 @@ LLMC_OPENVINO = {"llmc-openvino": (["--bf16"], "openvino"), "llmc-openvino-f32":
 # The systems run back to back, each pair a comparison the tables make.
 PAIRS = (("llmc", "genai"), *((peer, system) for system, (_, peer) in LLMC_OPENVINO.items()))
 LLMC_OPENVINO_INT4 = "llmc-openvino"
+TTFT_PROMPTS = 5  # prompts a run's TTFT at 128 tokens is the median of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +296,8 @@ def child(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("batch"):
         start, times = runner.generate(_prompts(rng, job["batch"], job["prompt"], runner.vocab), job["new_tokens"])
         out["batch_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
+    firsts = [_rates(*runner.generate([prompt], 1))["ttft_ms"] for prompt in ttft_prompts(job, runner.vocab)]
+    out["ttft_ms"] = _median(firsts)
     out["peak_rss_mib"] = _rss_mib("VmHWM")  # before the profiled runs' engines load
     if job.get("profile"):
         out["profiles"] = _profiles(job, rng)
@@ -365,6 +370,14 @@ def text_prompts(checkpoint: Path) -> list[list[int]]:
     return prompts
 
 
+def ttft_prompts(job: dict[str, Any], vocab: int) -> list[list[int]]:
+    """The prompts whose first tokens give a run's TTFT at `job["prompt"]` tokens, the same for
+    every system of the run (drawn from the run's seed alone)."""
+    import numpy as np
+
+    return _prompts(np.random.default_rng([job["seed"], TTFT_PROMPTS]), TTFT_PROMPTS, job["prompt"], vocab)
+
+
 def spawn_openvino(python: Path, hint: str | None, job: dict[str, Any], vocab: int) -> dict[str, Any]:
     """`job`'s measurements on OpenVINO GenAI (bench/openvino_peer.py's worker, a process of its
     own): fresh random prompts from the job's seed, the same sizes as llmc's run."""
@@ -379,6 +392,7 @@ def spawn_openvino(python: Path, hint: str | None, job: dict[str, Any], vocab: i
         peer["long"] = _prompts(rng, 2, job["long_prompt"], vocab)
     if job.get("batch"):
         peer["batch"] = _prompts(rng, job["batch"], job["prompt"], vocab)
+    peer["ttft"] = ttft_prompts(job, vocab)
     spawned = time.perf_counter()
     result = openvino_peer.run_worker(peer, python)
     result["process_s"] = round(time.perf_counter() - spawned, 2)

@@ -26,6 +26,8 @@ tokenizes), greedy, EOS ignored (min_new_tokens = max_new_tokens). What a job ma
              first token, ``decode_tok_s`` = the tokens after the first ÷ their time
   long       prompts run one at a time for one token each: ``ttft_long_cold_ms`` (the first) and
              ``ttft_long_ms`` (the last)
+  ttft       prompts run one at a time for one token each, through the same pipeline:
+             ``ttft_ms`` becomes the median of their first tokens' times
   batch      prompts added together to a `ContinuousBatchingPipeline` (SchedulerConfig's
              defaults, or ``job["scheduler"]``'s fields), stepped to the end:
              ``batch_decode_tok_s`` = tokens made after every request has its first ÷ the time
@@ -251,6 +253,9 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     for n, prompt in enumerate(job.get("long", [])):
         start, times = _stream(og, ov, np, pipe, prompt, 1)
         out["ttft_long_cold_ms" if n == 0 else "ttft_long_ms"] = round((times[0] - start) * 1e3, 2)
+    firsts = [_stream(og, ov, np, pipe, prompt, 1) for prompt in job.get("ttft", [])]
+    if firsts:
+        out["ttft_ms"] = round(float(np.median([(times[0] - start) * 1e3 for start, times in firsts])), 2)
     del pipe
     if job.get("batch") or job.get("workload"):
         scheduler = og.SchedulerConfig()
