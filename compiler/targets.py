@@ -126,6 +126,8 @@ class OpenVinoTarget(OnnxRuntimeTarget):
         if paged.block_size not in (None, self.block_size):
             raise LlmcError(f"--block-size {paged.block_size}: --backend openvino keeps blocks of {self.block_size} "
                             "tokens (OpenVINO's CPU paged attention)")
+        # OpenVINO 2026.4's CPU paged attention refuses a bf16 cache under f32 compute, and an f16
+        # pool bound under f32 compute was left unwritten (measured on SmolLM2, AVX-512 without fp16).
         if paged.kv_dtype not in (None, "float32"):
             raise LlmcError(f"--kv-cache-dtype: --backend openvino keeps the cache in its compute precision "
                             f"(float32, or bf16 under --bf16), not {paged.kv_dtype}")
