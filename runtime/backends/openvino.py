@@ -236,7 +236,6 @@ class OpenVinoBackend:
         self.compiled = ov.Core().compile_model(paged_model(engine, self.cache_type), "CPU", config)
         release_file_pages(engine.path)
         self.request = self.compiled.create_infer_request()
-        self.inputs = {port.get_any_name(): port for port in self.compiled.inputs}
         self.timeline = options.timeline
         self.block_size = paged.block_size
         # The pool in the compute precision (NumPy has no bf16: its bits as uint16).
@@ -269,14 +268,8 @@ class OpenVinoBackend:
                 "max_context_len": np.array(total.max(), np.int32)}
 
     def run(self, plan: StepPlan) -> np.ndarray:
-        import openvino as ov
-
         with self.timeline.span("openvino step", OPENVINO):
-            # Tensors over the arrays themselves, set by port: infer(dict) dispatches each input
-            # through Python (~50 µs a step more, measured; 0.3% of a SmolLM2 decode step).
-            for name, value in self.feeds(plan).items():
-                self.request.set_tensor(self.inputs[name], ov.Tensor(value, shared_memory=True))
-            self.request.infer()
+            self.request.infer(self.feeds(plan), share_inputs=True)
         return np.array(self.request.get_tensor("logits").data[0])
 
     def steps_round_alike(self) -> bool:
