@@ -420,7 +420,7 @@ BENCHMARKS = [
     Benchmark("latency_smollm2.json", "Latency, start-up and build: llmc against onnxruntime-genai",
               "SmolLM2-135M-Instruct built by each system's own tools and run one process at a time, alternating:\n"
               "batch-1 and static batch-16 decode rates, time to first token, load + first token, resident\n"
-              "memory and build times, in fp32 and int4 weight-only. Medians of 3 runs, 2 threads each; the\n"
+              "memory and build times, in fp32 and int4 weight-only. Medians of 5 runs, 2 threads each; the\n"
               "systems compared run back to back, and a ratio is the median of the runs' own ratios.",
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2.json",
               render_latency),
