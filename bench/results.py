@@ -220,14 +220,15 @@ def render_llmc_openvino(result: Result) -> list[str]:
     header, rows = ["measure"], []
     for name in systems:
         label, peer = LLMC_OPENVINO[name]
-        header += [label, OPENVINO[peer], "÷"]
+        header += [label, OPENVINO[peer], "÷", "runs' ÷"]
     header += ["machine limit", *(f"{LLMC_OPENVINO[name][0]} of the limit" for name in systems)]
     for row in result.get("table"):
         if not any(row.get(name) for name in systems):
             continue
         cells = [row["measure"]]
         for name in systems:
-            cells += [num(row.get(name)), num(row.get(LLMC_OPENVINO[name][1])), stored_ratio(row.get(f"ratio_{name}"))]
+            cells += [num(row.get(name)), num(row.get(LLMC_OPENVINO[name][1])), stored_ratio(row.get(f"ratio_{name}")),
+                      run_ratios(result, name, row)]
         limit = row.get("limit")
         cells.append(f"{num(limit['value'])} ({limit['bound']})" if limit else "-")
         cells += [f"{row[f'{name}_share_of_limit']:.0%}" if row.get(f"{name}_share_of_limit") is not None else "-"
@@ -237,7 +238,20 @@ def render_llmc_openvino(result: Result) -> list[str]:
             "OpenVINO GenAI with the same compute precision, same run. The int4 rows: `--bf16 --weights int4 "
             "--force` (llmc's default int4: asymmetric, groups of 32, int8 lm_head) against OpenVINO GenAI's int4. "
             "The machine limit is the fp32 one (int4's for the int4 rows): bf16 reads half the weight bytes and has "
-            "twice the peak, so bf16 rows can pass it.", ""] + table(header, rows)
+            "twice the peak, so bf16 rows can pass it. \"runs' ÷\": the lowest and highest of the runs' own "
+            "ratios, of which \"÷\" is the median.", ""] + table(header, rows)
+
+
+def run_ratios(result: Result, system: str, row: dict) -> str:
+    """The range of `row`'s ratio run by run, `system` against its peer in the same run; a one-token-
+    a-step row faces the peer's plain rate (it never guesses)."""
+    runs = result.get("runs", default={})
+    peer, key = LLMC_OPENVINO[system][1], row.get("key")
+    peer_key = key.removeprefix("plain_")
+    theirs = {r.get("run"): r.get(peer_key) for r in runs.get(peer, {}).get(row.get("precision"), [])}
+    ratios = [r[key] / theirs[r.get("run")] for r in runs.get(system, {}).get(row.get("precision"), [])
+              if r.get(key) and theirs.get(r.get("run"))]
+    return f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
 
 def render_serving(result: Result) -> list[str]:
