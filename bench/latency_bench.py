@@ -638,13 +638,17 @@ def log(message: str) -> None:
     print(f"[{time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def run_ratios(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str, their_key: str) -> list[float]:
+    """mine[key] ÷ theirs[their_key], each run's figures against the same run's (the "run" field);
+    a run without both is left out."""
+    by_run = {result["run"]: result.get(their_key) for result in theirs}
+    return [result[key] / by_run[result["run"]] for result in mine if result.get(key) and by_run.get(result["run"])]
+
+
 def paired_ratio(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str,
                  their_key: str) -> float | None:
-    """The median over runs of mine[key] ÷ theirs[their_key], each run's figures against the same
-    run's (the "run" field); None where no run has both."""
-    by_run = {result["run"]: result.get(their_key) for result in theirs}
-    ratios = [result[key] / by_run[result["run"]] for result in mine
-              if result.get(key) and by_run.get(result["run"])]
+    """The median of the runs' own ratios (`run_ratios`); None where no run has both."""
+    ratios = run_ratios(mine, theirs, key, their_key)
     return round(_median(ratios), 2) if ratios else None
 
 

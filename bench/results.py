@@ -25,6 +25,9 @@ from typing import Any, Callable
 
 BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(BENCH_DIR))
+from latency_bench import run_ratios  # noqa: E402  (stdlib only: the pairing the benchmark's ratios use)
+
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 NOT_RUN = "No result recorded yet: run the command above."
 
@@ -228,7 +231,7 @@ def render_llmc_openvino(result: Result) -> list[str]:
         cells = [row["measure"]]
         for name in systems:
             cells += [num(row.get(name)), num(row.get(LLMC_OPENVINO[name][1])), stored_ratio(row.get(f"ratio_{name}")),
-                      run_ratios(result, name, row)]
+                      run_ratio_range(result, name, row)]
         limit = row.get("limit")
         cells.append(f"{num(limit['value'])} ({limit['bound']})" if limit else "-")
         cells += [f"{row[f'{name}_share_of_limit']:.0%}" if row.get(f"{name}_share_of_limit") is not None else "-"
@@ -242,15 +245,12 @@ def render_llmc_openvino(result: Result) -> list[str]:
             "ratios, of which \"÷\" is the median.", ""] + table(header, rows)
 
 
-def run_ratios(result: Result, system: str, row: dict) -> str:
+def run_ratio_range(result: Result, system: str, row: dict) -> str:
     """The range of `row`'s ratio run by run, `system` against its peer in the same run; a one-token-
     a-step row faces the peer's plain rate (it never guesses)."""
-    runs = result.get("runs", default={})
-    peer, key = LLMC_OPENVINO[system][1], row.get("key")
-    peer_key = key.removeprefix("plain_")
-    theirs = {r.get("run"): r.get(peer_key) for r in runs.get(peer, {}).get(row.get("precision"), [])}
-    ratios = [r[key] / theirs[r.get("run")] for r in runs.get(system, {}).get(row.get("precision"), [])
-              if r.get(key) and theirs.get(r.get("run"))]
+    runs, peer, key, precision = result.get("runs", default={}), LLMC_OPENVINO[system][1], row["key"], row["precision"]
+    ratios = run_ratios(runs.get(system, {}).get(precision, []), runs.get(peer, {}).get(precision, []), key,
+                           key.removeprefix("plain_"))
     return f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
 
