@@ -250,7 +250,7 @@ def run_ratio_range(result: Result, system: str, row: dict) -> str:
     a-step row faces the peer's plain rate (it never guesses)."""
     runs, peer, key, precision = result.get("runs", default={}), LLMC_OPENVINO[system][1], row["key"], row["precision"]
     ratios = run_ratios(runs.get(system, {}).get(precision, []), runs.get(peer, {}).get(precision, []), key,
-                           key.removeprefix("plain_"))
+                        key.removeprefix("plain_"))
     return f"{min(ratios):.2f}–{max(ratios):.2f}" if len(ratios) > 1 else "-"
 
 
