@@ -58,9 +58,11 @@ class EngineInspection:
                  f"kv cache      {kv_cache_summary(manifest)}"]
         if manifest["backend"] == "openvino":  # the precision this machine gives it, picked at load
             from llmc.formats.manifest import parse_manifest
-            from llmc.runtime.backends.openvino import compute_precision
+            from llmc.runtime.backends.openvino import compute_precision, small_steps_model
 
-            lines.append(f"compute       {compute_precision(parse_manifest(manifest, str(self.path)))[1]}")
+            precision, why = compute_precision(parse_manifest(manifest, str(self.path)))
+            lines.append(f"compute       {why}")
+            lines.append(f"decode        {small_steps_model(precision)[1]}")
         if manifest.get("tensorrt"):
             t = manifest["tensorrt"]
             portable = [kind for kind in ("hardware", "version") if t[f"{kind}_compatible"]]

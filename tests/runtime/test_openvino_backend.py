@@ -26,7 +26,8 @@ from llmc.plugins.paged_attention import PagedBatch
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.plan import PrecisionOptions
 from llmc.runtime.backends.base import BackendOptions
-from llmc.runtime.backends.openvino import BLOCK_SIZE, compute_precision
+from llmc.runtime.backends.openvino import (BLOCK_SIZE, SMALL_STEP_TOKENS, compute_precision, small_steps_model,
+                                            weights_transposed)
 from llmc.runtime.backends.registry import open_backend
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
@@ -36,6 +37,7 @@ from llmc.runtime.step_plan import PACKED, StepPlan
 pytest.importorskip("openvino")
 F32_TOLERANCE = 2e-3  # max abs logit difference (logits of order 10; measured ~1e-5)
 BF16_ON_HERE = bool(native_bf16(cpu_flags()))
+AMX_HERE = {"amx_bf16", "amx_tile"} <= cpu_flags()
 TEXT = ("def read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() for line in f]\n\n"
         "class Counter:\n    def __init__(self):\n        self.counts = {}\n")
 
@@ -189,6 +191,56 @@ def test_the_compute_precision_follows_the_engine_and_the_cpu(engines):
     if BF16_ON_HERE:
         text = inspect(engines["bf16"]).text()
         assert "bf16 allowed (perplexity" in text and "compute       bf16 compute (--bf16; this CPU has" in text
+
+
+def test_decodes_get_the_fused_mlp_model_only_under_bf16_with_amx(engines):
+    amx = frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})
+    assert small_steps_model("bf16", amx)[0] and small_steps_model("bf16", amx, threads=2)[0]
+    assert small_steps_model("bf16", amx, threads=1) == (False, "one model for every step (the fused MLP needs 2 "
+                                                               "threads or more)")
+    assert small_steps_model("f32", amx) == (False, "one model for every step (the fused MLP needs bf16 compute)")
+    assert small_steps_model("bf16", frozenset({"avx512_bf16"})) == (False, "one model for every step (the fused "
+                                                                        "MLP needs AMX)")
+    assert "decode        one model for every step (the fused MLP needs bf16 compute)" in inspect(engines["f32"]).text()
+    assert _backend(engines["f32"]).small_request is None
+
+
+def test_weights_transposed_leaves_every_product_as_it_was():
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    rng = np.random.default_rng(0)
+    x = ops.parameter([2, 3, 8], ov.Type.f32, name="x")
+    w1, w2 = rng.standard_normal((8, 5)).astype(np.float32), rng.standard_normal((5, 4)).astype(np.float16)
+    first = ops.matmul(x, ops.constant(w1), False, False)
+    second = ops.matmul(first, ops.convert(ops.constant(w2), "f32"), False, False)  # not a constant: kept
+    model = ov.Model([second], [x])
+    assert weights_transposed(model) == 1
+    products = [n for n in model.get_ordered_ops() if n.get_type_name() == "MatMul"]
+    assert [n.get_attributes()["transpose_b"] for n in products] == [True, False]
+    assert products[0].input_value(1).get_node().get_output_shape(0) == [5, 8]
+    feed = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    got = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(feed)[0]
+    np.testing.assert_allclose(got, feed @ w1 @ w2.astype(np.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not (BF16_ON_HERE and AMX_HERE), reason="the fused-MLP decode model needs AMX and bf16")
+def test_bf16_decodes_on_the_fused_mlp_model_stay_near_the_unmodified_graph(engines, reference):
+    backend = _backend(engines["bf16"])
+    runtime = backend.small_request.get_compiled_model().get_runtime_model()
+    assert any(op.get_rt_info()["layerType"].astype(str) == "LLMMLP" for op in runtime.get_ordered_ops())
+    ids = _ids(engines["bf16"], 41)
+    blocks = np.arange(2, 4)[None]
+    backend.run(StepPlan(PACKED, np.array(ids[:-1]), np.arange(40), PagedBatch(blocks, np.array([0]), np.array([0, 40])),
+                         np.array([39])))
+    decode = StepPlan(PACKED, np.array(ids[-1:]), np.array([40]), PagedBatch(blocks, np.array([40]), np.array([0, 1])),
+                      np.array([0]))
+    assert len(decode.tokens) <= SMALL_STEP_TOKENS
+    fused, plain = backend.run(decode)[0], backend._infer(backend.request, decode)[0]
+    expected = reference(ids)[-1]
+    for got in (fused, plain):
+        assert np.abs(got - expected).mean() < 0.05 * expected.std()
+    assert fused.argmax() == plain.argmax() == expected.argmax()
 
 
 def test_bf16_is_checked_where_the_cpu_computes_it_or_refused(trained_onnx, tmp_path, monkeypatch):
