@@ -26,7 +26,8 @@ prefills slower, so longer steps stay on the first model. Measured on a 2-core X
 the two models alternated in one process (medians of 6-12 pairs): a decode step of one sequence
 7-12% shorter (SmolLM2-135M, a 1B Llama), of 16 sequences 2-12% shorter, of 32-64 sequences
 13-23% longer at 1B; a 128-token prompt level (SmolLM2) or 34% longer (1B), 1,024-2,048 tokens
-4-17% longer. The cost: each model keeps its own repacked weights.
+4-17% longer. The cost: the second model's own repacked weights and buffers (SmolLM2-135M:
+1.1 GB resident after load against 0.7).
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -95,28 +97,41 @@ def small_steps_model(precision: str, flags: frozenset[str] | None = None, threa
                   "MLP (this CPU has AMX; with 2 threads or more); prompts on the first")
 
 
-def weights_transposed(model) -> int:
-    """Give every MatMul of `model` whose weight is a 2-D constant [K, N] that weight as [N, K]
-    with transpose_b, in place; the number rewritten. OpenVINO's MLP fusion matches only that
-    form (a PyTorch Linear's); weight-only quantized products (a decompression subgraph, not a
-    constant) keep theirs."""
+def weights_transposed(model, folder: Path) -> mmap.mmap | None:
+    """Give every MatMul of `model` whose weight is a 2-D float32 constant [K, N] that weight as
+    [N, K] with transpose_b, in place: the form OpenVINO's MLP fusion matches (a PyTorch
+    Linear's). Weight-only quantized products (a decompression subgraph, not a constant) keep
+    theirs. The new weights live in an unlinked file in `folder`, mapped: the compiled model keeps
+    its source constants, and file pages can be dropped once it has repacked them
+    (`mapping.madvise(MADV_DONTNEED)`), where copies in memory would stay resident (SmolLM2:
+    0.5 GB). The mapping, or None where no product qualified."""
+    import openvino as ov
     import openvino.opset13 as ops
 
-    rewritten = 0
+    products = []
     for node in model.get_ordered_ops():
-        if node.get_type_name() != "MatMul":
-            continue
-        attributes = node.get_attributes()
-        weight = node.input_value(1).get_node()
-        if attributes["transpose_b"] or weight.get_type_name() != "Constant" or len(weight.get_output_shape(0)) != 2:
-            continue
-        product = ops.matmul(node.input_value(0), ops.constant(np.ascontiguousarray(weight.get_data().T)),
-                             attributes["transpose_a"], True)
+        weight = node.input_value(1).get_node() if node.get_type_name() == "MatMul" else None
+        if (weight is not None and not node.get_attributes()["transpose_b"] and weight.get_type_name() == "Constant"
+                and weight.get_element_type() == ov.Type.f32 and len(weight.get_output_shape(0)) == 2):
+            products.append((node, weight))
+    if not products:
+        return None
+    sizes = [int(np.prod(weight.get_output_shape(0))) * 4 for _, weight in products]
+    with tempfile.TemporaryFile(dir=folder) as file:
+        file.truncate(sum(sizes))
+        mapping = mmap.mmap(file.fileno(), sum(sizes))
+    offset = 0
+    for (node, weight), size in zip(products, sizes):
+        k, n = weight.get_output_shape(0)
+        values = np.frombuffer(mapping, np.float32, size // 4, offset).reshape(n, k)
+        values[...] = weight.get_data().T
+        transposed = ov.op.Constant(ov.Tensor(values, [n, k], ov.Type.f32), shared_memory=True)
+        product = ops.matmul(node.input_value(0), transposed, node.get_attributes()["transpose_a"], True)
         product.set_friendly_name(node.get_friendly_name())
         for target in list(node.output(0).get_target_inputs()):
             target.replace_source_output(product.output(0))
-        rewritten += 1
-    return rewritten
+        offset += size
+    return mapping
 
 
 def paged_model(engine: EngineFile, cache_type):
@@ -293,10 +308,14 @@ class OpenVinoBackend:
         self.request = compiled.create_infer_request()
         # compile_model compiles a copy: the graph can be rewritten for the second model.
         use_small, _ = small_steps_model(self.precision, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
-        self.small_request = (core.compile_model(model, "CPU", config).create_infer_request()
-                              if use_small and weights_transposed(model) else None)
+        # The second model reads its weights from this mapping for as long as it lives.
+        self.transposed_weights = weights_transposed(model, engine.path.parent) if use_small else None
+        self.small_request = (None if self.transposed_weights is None
+                              else core.compile_model(model, "CPU", config).create_infer_request())
         del model
         release_file_pages(engine.path)
+        if self.transposed_weights is not None:
+            self.transposed_weights.madvise(mmap.MADV_DONTNEED)
         self.timeline = options.timeline
         self.block_size = paged.block_size
         # The pool in the compute precision (NumPy has no bf16: its bits as uint16).
@@ -360,6 +379,8 @@ class OpenVinoBackend:
         positions = np.concatenate([np.arange(prompt), np.ones(seqs - 1, np.int64)])
         for request in self._requests():
             self._infer(request, StepPlan(PACKED, np.zeros(len(positions), np.int64), positions, batch, starts[1:] - 1))
+        if self.transposed_weights is not None:  # the fused MLP repacks its weights at its first call
+            self.transposed_weights.madvise(mmap.MADV_DONTNEED)
 
 
 def deploy_checks(manifest, record) -> None:

@@ -205,7 +205,7 @@ def test_decodes_get_the_fused_mlp_model_only_under_bf16_with_amx(engines):
     assert _backend(engines["f32"]).small_request is None
 
 
-def test_weights_transposed_leaves_every_product_as_it_was():
+def test_weights_transposed_leaves_every_product_as_it_was(tmp_path):
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -215,13 +215,15 @@ def test_weights_transposed_leaves_every_product_as_it_was():
     first = ops.matmul(x, ops.constant(w1), False, False)
     second = ops.matmul(first, ops.convert(ops.constant(w2), "f32"), False, False)  # not a constant: kept
     model = ov.Model([second], [x])
-    assert weights_transposed(model) == 1
+    mapping = weights_transposed(model, tmp_path)
+    assert len(mapping) == w1.nbytes and list(tmp_path.iterdir()) == []  # the file is unlinked
     products = [n for n in model.get_ordered_ops() if n.get_type_name() == "MatMul"]
     assert [n.get_attributes()["transpose_b"] for n in products] == [True, False]
     assert products[0].input_value(1).get_node().get_output_shape(0) == [5, 8]
     feed = rng.standard_normal((2, 3, 8)).astype(np.float32)
     got = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(feed)[0]
     np.testing.assert_allclose(got, feed @ w1 @ w2.astype(np.float32), rtol=1e-5, atol=1e-5)
+    assert weights_transposed(ov.Model([ops.relu(x)], [x]), tmp_path) is None
 
 
 @pytest.mark.skipif(not (BF16_ON_HERE and AMX_HERE), reason="the fused-MLP decode model needs AMX and bf16")
