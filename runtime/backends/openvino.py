@@ -101,10 +101,10 @@ def weights_transposed(model, folder: Path) -> mmap.mmap | None:
     """Give every MatMul of `model` whose weight is a 2-D float32 constant [K, N] that weight as
     [N, K] with transpose_b, in place: the form OpenVINO's MLP fusion matches (a PyTorch
     Linear's). Weight-only quantized products (a decompression subgraph, not a constant) keep
-    theirs. The new weights live in an unlinked file in `folder`, mapped: the compiled model keeps
-    its source constants, and file pages can be dropped once it has repacked them
-    (`mapping.madvise(MADV_DONTNEED)`), where copies in memory would stay resident (SmolLM2:
-    0.5 GB). The mapping, or None where no product qualified."""
+    theirs. The new weights live in an unlinked file in `folder` (`_scratch_mapping`), mapped: the
+    compiled model keeps its source constants, and file pages can be dropped once it has repacked
+    them (`mapping.madvise(MADV_DONTNEED)`), where copies in memory would stay resident (SmolLM2:
+    0.5 GB). The mapping, or None where no product qualified or no file could hold them."""
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -117,9 +117,9 @@ def weights_transposed(model, folder: Path) -> mmap.mmap | None:
     if not products:
         return None
     sizes = [int(np.prod(weight.get_output_shape(0))) * 4 for _, weight in products]
-    with tempfile.TemporaryFile(dir=folder) as file:
-        file.truncate(sum(sizes))
-        mapping = mmap.mmap(file.fileno(), sum(sizes))
+    mapping = _scratch_mapping(sum(sizes), folder)
+    if mapping is None:
+        return None
     offset = 0
     for (node, weight), size in zip(products, sizes):
         k, n = weight.get_output_shape(0)
@@ -132,6 +132,20 @@ def weights_transposed(model, folder: Path) -> mmap.mmap | None:
             target.replace_source_output(product.output(0))
         offset += size
     return mapping
+
+
+def _scratch_mapping(size: int, folder: Path) -> mmap.mmap | None:
+    """`size` bytes of an unlinked file, mapped: in `folder`, else in the temporary directory;
+    None where neither has room or lets us write. The space is reserved up front: a write
+    through the mapping to a full disk would kill the process (SIGBUS)."""
+    for where in (folder, None):
+        try:
+            with tempfile.TemporaryFile(dir=where) as file:
+                os.posix_fallocate(file.fileno(), 0, size)
+                return mmap.mmap(file.fileno(), size)
+        except OSError:
+            continue
+    return None
 
 
 def paged_model(engine: EngineFile, cache_type):

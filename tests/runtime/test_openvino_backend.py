@@ -226,6 +226,30 @@ def test_weights_transposed_leaves_every_product_as_it_was(tmp_path):
     assert weights_transposed(ov.Model([ops.relu(x)], [x]), tmp_path) is None
 
 
+def test_transposed_weights_go_to_the_temporary_directory_or_nowhere(tmp_path, monkeypatch):
+    """A folder that cannot take the file (here: missing) falls back to the temporary directory;
+    where no file has room, no second model (None), never a write to a full disk."""
+    import errno
+    import os
+
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    def model():
+        x = ops.parameter([1, 4], ov.Type.f32, name="x")
+        return ov.Model([ops.matmul(x, ops.constant(np.ones((4, 2), np.float32)), False, False)], [x])
+
+    assert len(weights_transposed(model(), tmp_path / "missing")) == 32
+
+    def full(fd, offset, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    unchanged = model()
+    assert weights_transposed(unchanged, tmp_path) is None
+    assert not any(n.get_attributes().get("transpose_b") for n in unchanged.get_ordered_ops()
+                   if n.get_type_name() == "MatMul")
+
+
 @pytest.mark.skipif(not (BF16_ON_HERE and AMX_HERE), reason="the fused-MLP decode model needs AMX and bf16")
 def test_bf16_decodes_on_the_fused_mlp_model_stay_near_the_unmodified_graph(engines, reference):
     backend = _backend(engines["bf16"])
