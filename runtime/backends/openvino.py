@@ -63,7 +63,6 @@ from llmc.runtime.timeline import OPENVINO
 
 GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own inputs
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
-MADV_DONTNEED = 4  # Linux's madvise advice
 # The largest step the fused-MLP model runs (`small_steps_model`): a decode of up to 16 sequences
 # (measured faster at 1 and 16, slower at 32 and 64: see above).
 SMALL_STEP_TOKENS = 16
@@ -103,7 +102,7 @@ def weights_transposed(model, folder: Path) -> mmap.mmap | None:
     Linear's). Weight-only quantized products (a decompression subgraph, not a constant) keep
     theirs. The new weights live in an unlinked file in `folder` (`_scratch_mapping`), mapped: the
     compiled model keeps its source constants, and file pages can be dropped once it has repacked
-    them (`mapping.madvise(MADV_DONTNEED)`), where copies in memory would stay resident (SmolLM2:
+    them (`mapping.madvise(mmap.MADV_DONTNEED)`), where copies in memory would stay resident (SmolLM2:
     0.5 GB). The mapping, or None where no product qualified or no file could hold them."""
     import openvino as ov
     import openvino.opset13 as ops
@@ -283,7 +282,7 @@ def release_file_pages(path: Path) -> None:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5] == target and "w" not in fields[1]:
             begin, end = (int(x, 16) for x in fields[0].split("-"))
-            libc.madvise(begin, end - begin, MADV_DONTNEED)  # a refusal leaves the pages where they were
+            libc.madvise(begin, end - begin, mmap.MADV_DONTNEED)  # a refusal leaves the pages where they were
 
 
 class OpenVinoBackend:
