@@ -27,7 +27,8 @@ the two models alternated in one process (medians of 6-12 pairs): a decode step 
 7-12% shorter (SmolLM2-135M, a 1B Llama), of 16 sequences 2-12% shorter, of 32-64 sequences
 13-23% longer at 1B; a 128-token prompt level (SmolLM2) or 34% longer (1B), 1,024-2,048 tokens
 4-17% longer. The cost: the second model's own repacked weights and buffers (resident after
-load: SmolLM2-135M 1.1 GB against 0.7, a 1B Llama 7.5 GB against 4.1).
+load: SmolLM2-135M 1.1 GB against 0.7, a 1B Llama 7.5 GB against 4.1), so it is built only where
+the memory available leaves room for it (`SECOND_MODEL_ROOM`).
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
@@ -57,7 +58,7 @@ from llmc.formats.cpu_features import cpu_flags, native_bf16
 from llmc.formats.engine_file import EngineFile, FileRange, bind_weights
 from llmc.plugins.paged_attention import OPENVINO_BLOCK_SIZE as BLOCK_SIZE
 from llmc.runtime.backends.base import BackendOptions, PoolPlacement
-from llmc.runtime.kv_cache import KvCache, allocate_pool
+from llmc.runtime.kv_cache import KvCache, allocate_pool, available_memory
 from llmc.runtime.step_plan import PACKED, StepPaths, StepPlan
 from llmc.runtime.timeline import OPENVINO
 
@@ -67,6 +68,11 @@ LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indi
 # (measured faster at 1 and 16, slower at 32 and 64: see above).
 SMALL_STEP_TOKENS = 16
 AMX_FLAGS = ("amx_bf16", "amx_tile")  # what OpenVINO's CPU plugin needs for its fused MLP
+# The second model is built where the memory available once the first is compiled holds this many
+# times its weights' float32 bytes: it took 0.8x those bytes resident (repacked weights and buffers;
+# SmolLM2-135M 0.4 GB for 0.5, a 1B Llama 3.4 GB for 4.4), and the KV pool's default size is a share
+# of what is left. So a model that fits in memory once never fails to load for want of the second.
+SECOND_MODEL_ROOM = 2
 
 
 def compute_precision(manifest, flags: frozenset[str] | None = None) -> tuple[str, str]:
@@ -96,14 +102,15 @@ def small_steps_model(precision: str, flags: frozenset[str] | None = None, threa
                   "MLP (this CPU has AMX; with 2 threads or more); prompts on the first")
 
 
-def weights_transposed(model, folder: Path) -> mmap.mmap | None:
+def weights_transposed(model, folder: Path, room: int | None = None) -> mmap.mmap | None:
     """Give every MatMul of `model` whose weight is a 2-D float32 constant [K, N] that weight as
     [N, K] with transpose_b, in place: the form OpenVINO's MLP fusion matches (a PyTorch
     Linear's). Weight-only quantized products (a decompression subgraph, not a constant) keep
     theirs. The new weights live in an unlinked file in `folder` (`_scratch_mapping`), mapped: the
     compiled model keeps its source constants, and file pages can be dropped once it has repacked
     them (`mapping.madvise(mmap.MADV_DONTNEED)`), where copies in memory would stay resident (SmolLM2:
-    0.5 GB). The mapping, or None where no product qualified or no file could hold them."""
+    0.5 GB). The mapping, or None (the model unchanged) where no product qualified, no file could
+    hold them, or they take more than `room` bytes (None: no limit)."""
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -116,6 +123,8 @@ def weights_transposed(model, folder: Path) -> mmap.mmap | None:
     if not products:
         return None
     sizes = [int(np.prod(weight.get_output_shape(0))) * 4 for _, weight in products]
+    if room is not None and sum(sizes) > room:
+        return None
     mapping = _scratch_mapping(sum(sizes), folder)
     if mapping is None:
         return None
@@ -321,8 +330,11 @@ class OpenVinoBackend:
         self.request = compiled.create_infer_request()
         # compile_model compiles a copy: the graph can be rewritten for the second model.
         use_small, _ = small_steps_model(self.precision, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
-        # The second model reads its weights from this mapping for as long as it lives.
-        self.transposed_weights = weights_transposed(model, engine.path.parent) if use_small else None
+        # The second model reads its weights from this mapping for as long as it lives. Built only
+        # where it leaves room (`SECOND_MODEL_ROOM`): a model that fits once must still load.
+        available = available_memory()
+        room = None if available is None else available // SECOND_MODEL_ROOM
+        self.transposed_weights = weights_transposed(model, engine.path.parent, room) if use_small else None
         self.small_request = (None if self.transposed_weights is None
                               else core.compile_model(model, "CPU", config).create_infer_request())
         del model

@@ -226,6 +226,23 @@ def test_weights_transposed_leaves_every_product_as_it_was(tmp_path):
     assert weights_transposed(ov.Model([ops.relu(x)], [x]), tmp_path) is None
 
 
+def test_no_second_model_where_its_weights_leave_no_room(tmp_path):
+    """A second model whose weights take more than the room given is not built: the model keeps
+    its products, and no file is made."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    def model():
+        x = ops.parameter([1, 4], ov.Type.f32, name="x")
+        return ov.Model([ops.matmul(x, ops.constant(np.ones((4, 2), np.float32)), False, False)], [x])
+
+    unchanged = model()
+    assert weights_transposed(unchanged, tmp_path, room=31) is None
+    assert [n.get_attributes()["transpose_b"] for n in unchanged.get_ordered_ops() if n.get_type_name() == "MatMul"] \
+        == [False]
+    assert len(weights_transposed(model(), tmp_path, room=32)) == 32
+
+
 def test_transposed_weights_go_to_the_temporary_directory_or_nowhere(tmp_path, monkeypatch):
     """A folder that cannot take the file (here: missing) falls back to the temporary directory;
     where no file has room, no second model (None), never a write to a full disk."""
