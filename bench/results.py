@@ -553,15 +553,21 @@ def render_results(results_dir: Path) -> str:
 # --- README's headline table -----------------------------------------------------------------
 
 
+HEADLINE_COLUMNS = ["measure", "llmc", "onnxruntime-genai", "OpenVINO GenAI", "transformers", "llmc ÷ peer"]
+
+
 def headline(results_dir: Path) -> list[list[str]]:
-    """Rows of (measure, llmc, onnxruntime-genai, transformers, llmc ÷ genai) present in the files."""
+    """Rows of HEADLINE_COLUMNS present in the files; a row's peer is the one it has a figure for."""
     rows = []
 
-    def add(measure: str, llmc: Any, genai: Any = None, transformers: Any = None, ratio_: Any = None) -> None:
-        """ratio_: the benchmark's own llmc ÷ genai, where it computed one."""
+    def add(measure: str, llmc: Any, genai: Any = None, transformers: Any = None, ratio_: Any = None,
+            openvino: Any = None) -> None:
+        """ratio_: the benchmark's own llmc ÷ peer (onnxruntime-genai, or OpenVINO GenAI where
+        `openvino` is given), where it computed one."""
+        peer = openvino if openvino is not None else genai
         if llmc is not None:
-            rows.append([measure, num(llmc), num(genai), num(transformers),
-                         stored_ratio(ratio_) if ratio_ is not None else ratio(llmc, genai)])
+            rows.append([measure, num(llmc), num(genai), num(openvino), num(transformers),
+                         stored_ratio(ratio_) if ratio_ is not None else ratio(llmc, peer)])
 
     path = results_dir / "latency_smollm2.json"
     if path.is_file():
@@ -577,6 +583,16 @@ def headline(results_dir: Path) -> list[list[str]]:
             row = entries.get((key, "fp32"))
             if row:
                 add(label, row.get("llmc"), row.get("genai"), ratio_=row.get("ratio"))
+        # The OpenVINO backend in bf16 against the fastest CPU peer with its defaults (bf16 compute
+        # where the CPU has it), one token a step on both sides.
+        for key, label in (("plain_decode_tok_s", "Decode, batch 1, SmolLM2 bf16, `--backend openvino` (tok/s)"),
+                           ("batch_decode_tok_s", f"Decode, batch {sizes['batch']}, SmolLM2 bf16, `--backend openvino` "
+                                                  "(tok/s)"),
+                           ("ttft_long_ms", f"Time to first token, {sizes['long_prompt']:,}-token prompt, SmolLM2 bf16, "
+                                            "`--backend openvino` (ms)")):
+            row = entries.get((key, "fp32"))
+            if row and row.get("llmc-openvino") is not None:
+                add(label, row["llmc-openvino"], ratio_=row.get("ratio_llmc-openvino"), openvino=row.get("openvino"))
     path = results_dir / "serving.json"
     if path.is_file():
         systems = load(path).get("systems")
@@ -595,7 +611,7 @@ def render_readme_block(results_dir: Path) -> str:
     if not rows:
         body = ["No benchmark results recorded yet: see [bench/RESULTS.md](bench/RESULTS.md)."]
     else:
-        body = table(["measure", "llmc", "onnxruntime-genai", "transformers", "llmc ÷ genai"], rows)
+        body = table(HEADLINE_COLUMNS, rows)
         body += ["", "On a CPU with 2 threads per system; commands, machine and commit in "
                      "[bench/RESULTS.md](bench/RESULTS.md)."]
     return "\n".join([BEGIN, *body, END])

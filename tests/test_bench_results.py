@@ -96,11 +96,25 @@ def test_readme_block_holds_the_headline_figures_only(tree):
     assert text.startswith("# llmc\n\nintro\n\n") and text.endswith("\n\nafter\n")
     block = text[text.index(results.BEGIN):text.index(results.END)]
     assert "old table" not in block
-    assert "| Decode, batch 1, SmolLM2 fp32, real text (tok/s) | 50 | 40 | - | 1.25 |" in block
+    assert "| measure | llmc | onnxruntime-genai | OpenVINO GenAI | transformers | llmc ÷ peer |" in block
+    assert "| Decode, batch 1, SmolLM2 fp32, real text (tok/s) | 50 | 40 | - | - | 1.25 |" in block
     assert "| 60 |" not in block  # batch 1 on random prompts stays in RESULTS.md
-    assert "| Decode, batch 16, SmolLM2 fp32 (tok/s) | 440 | 550 | - | 0.80 |" in block
-    assert "| Serving throughput, 64 requests, 32M Llama (tok/s) | 800 | 400 | 200 | 2.00 |" in block
+    assert "| Decode, batch 16, SmolLM2 fp32 (tok/s) | 440 | 550 | - | - | 0.80 |" in block
+    assert "| Serving throughput, 64 requests, 32M Llama (tok/s) | 800 | 400 | - | 200 | 2.00 |" in block
     assert "Perplexity" not in block  # no product-command file: no row
+    assert "--backend openvino" not in block  # no OpenVINO figures in the file: no such rows
+
+
+def test_readme_block_puts_the_openvino_backend_beside_openvino_genai(tree):
+    folder, _, readme = tree
+    latency = json.loads(json.dumps(LATENCY))
+    latency["table"][1] |= {"llmc-openvino": 900.0, "openvino": 750.0, "ratio_llmc-openvino": 1.2}
+    (folder / "latency_smollm2.json").write_text(json.dumps(latency))
+    assert run(tree) == 0
+    block = readme.read_text()
+    assert "| Decode, batch 16, SmolLM2 bf16, `--backend openvino` (tok/s) | 900 | - | 750 | - | 1.20 |" in block
+    assert "| Decode, batch 16, SmolLM2 fp32 (tok/s) | 440 | 550 | - | - | 0.80 |" in block
+    assert "batch 1, SmolLM2 bf16" not in block  # the file has no OpenVINO figure for it
 
 
 def test_check_fails_when_results_or_readme_block_drift(tree, capsys):
