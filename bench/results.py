@@ -585,7 +585,8 @@ def headline(results_dir: Path) -> list[list[str]]:
                 add(label, row.get("llmc"), row.get("genai"), ratio_=row.get("ratio"))
         # The OpenVINO backend in bf16 against the fastest CPU peer with its defaults (bf16 compute
         # where the CPU has it), one token a step on both sides.
-        for key, label in (("plain_decode_tok_s", "Decode, batch 1, SmolLM2 bf16, `--backend openvino` (tok/s)"),
+        for key, label in (("plain_decode_tok_s", "Decode, batch 1, one token a step, SmolLM2 bf16, `--backend openvino` "
+                                                  "(tok/s)"),
                            ("batch_decode_tok_s", f"Decode, batch {sizes['batch']}, SmolLM2 bf16, `--backend openvino` "
                                                   "(tok/s)"),
                            ("ttft_long_ms", f"Time to first token, {sizes['long_prompt']:,}-token prompt, SmolLM2 bf16, "
