@@ -144,7 +144,7 @@ class OpenVinoPaged:
         from llmc.runtime.backends.openvino import paged_model
 
         # The engine's blocks of 16 are declared; the CPU plugin re-shapes the caches to its 32.
-        model = paged_model(engine, ov.Type.f32 if precision == "f32" else ov.Type.bf16)
+        model = paged_model(engine)  # the caches take KV_CACHE_PRECISION's type
         config = {"INFERENCE_NUM_THREADS": THREADS, "NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY",
                   "INFERENCE_PRECISION_HINT": precision, "KV_CACHE_PRECISION": precision}
         begin = time.perf_counter()

@@ -117,7 +117,7 @@ class OnnxRuntimeTarget(CompileTarget):
 class OpenVinoTarget(OnnxRuntimeTarget):
     """OpenVINO on the CPU (runtime/backends/openvino.py): the segments of an onnxruntime engine,
     joined at load into one OpenVINO model with its own paged attention, which keeps blocks of 32
-    tokens in a float32 (or, under --bf16, bf16) pool."""
+    tokens in a float32 pool (bf16 under --bf16; float16 with --kv-cache-dtype fp16)."""
 
     def check(self, paged, tensorrt):
         super().check(paged, tensorrt)
@@ -126,11 +126,6 @@ class OpenVinoTarget(OnnxRuntimeTarget):
         if paged.block_size not in (None, self.block_size):
             raise LlmcError(f"--block-size {paged.block_size}: --backend openvino keeps blocks of {self.block_size} "
                             "tokens (OpenVINO's CPU paged attention)")
-        # OpenVINO 2026.4's CPU paged attention refuses a bf16 cache under f32 compute, and an f16
-        # pool bound under f32 compute was left unwritten (measured on SmolLM2, AVX-512 without fp16).
-        if paged.kv_dtype not in (None, "float32"):
-            raise LlmcError(f"--kv-cache-dtype: --backend openvino keeps the cache in its compute precision "
-                            f"(float32, or bf16 under --bf16), not {paged.kv_dtype}")
 
     def payload(self, model, single, paged, geometry, network, manifest, options, progress):
         # onnxruntime's sections (no single-sequence graph: one OpenVINO model runs every step)

@@ -32,8 +32,9 @@ the memory available leaves room for it (`SECOND_MODEL_ROOM`).
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
-f32. The pool is kept in the compute precision, as the CPU plugin requires (bf16 stored as
-uint16). The plugin's block size is 32, which `--backend openvino` compiles with.
+f32. The pool is kept in the compute precision (bf16 stored as uint16), or in float16 for an
+engine compiled with `--kv-cache-dtype fp16` (the cache OpenVINO GenAI's exported models ask for):
+half an f32 pool's bytes. The plugin's block size is 32, which `--backend openvino` compiles with.
 
 Measured on SmolLM2-135M, 2 cores of an AMD EPYC with avx512_bf16, ms a step against the
 onnxruntime backend in the same run (bench/openvino_paged_probe.py): bf16 0.60-0.70x at batch 1,
@@ -156,10 +157,12 @@ def _scratch_mapping(size: int, folder: Path) -> mmap.mmap | None:
     return None
 
 
-def paged_model(engine: EngineFile, cache_type):
+def paged_model(engine: EngineFile):
     """The engine's segments joined into one ov.Model, each PagedAttention call OpenVINO's, over
     per-layer cache parameters `key_cache.i`/`value_cache.i` [blocks, kv heads, block, head dim]
-    of `cache_type` and the step's layout in `LAYOUT_INPUTS` (shared by every layer)."""
+    and the step's layout in `LAYOUT_INPUTS` (shared by every layer). The caches' element type is
+    left to the plugin, which gives them its KV_CACHE_PRECISION (as OpenVINO GenAI's models do):
+    declared f16 under f32 compute, the bound f16 pool was never written (OpenVINO 2026.4)."""
     import openvino as ov
     import openvino.opset13 as ops
     from openvino._pyopenvino.op import _PagedAttentionExtension
@@ -200,7 +203,7 @@ def paged_model(engine: EngineFile, cache_type):
                             "OpenVINO paged attention; compile with --backend onnxruntime")
         # llmc's [tokens, heads, head dim] is OpenVINO's [tokens, heads · head dim]
         q, k, v = (ops.reshape(values[n], const([0, -1]), special_zero=True).output(0) for n in call.inputs[:3])
-        caches = [param(n, cache_type, [-1, geometry.num_kv_heads, paged.block_size, geometry.head_dim])
+        caches = [param(n, ov.Type.dynamic, [-1, geometry.num_kv_heads, paged.block_size, geometry.head_dim])
                   for n in call.inputs[3:5]]
         empty_i32, empty_f32 = const(np.zeros(0)), const(np.zeros(0), np.float32)
         # OpenVINO 2026.4's 28 inputs; those past the 13th switch off what llmc does not use
@@ -319,14 +322,18 @@ class OpenVinoBackend:
             raise LlmcError(f"{engine.path}: block size {paged.block_size}; OpenVINO's CPU paged attention keeps "
                             f"blocks of {BLOCK_SIZE} (recompile with --backend openvino)")
         self.precision, _ = compute_precision(manifest)
-        self.cache_type = ov.Type.bf16 if self.precision == "bf16" else ov.Type.f32
+        cache = "f16" if paged.kv_dtype == "float16" else self.precision  # --kv-cache-dtype fp16, or as computed
+        self.cache_type = {"bf16": ov.Type.bf16, "f16": ov.Type.f16, "f32": ov.Type.f32}[cache]
         config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": self.precision,
-                  "KV_CACHE_PRECISION": self.precision}
+                  "KV_CACHE_PRECISION": cache}
         if options.threads:
             config["INFERENCE_NUM_THREADS"] = options.threads
         core = ov.Core()
-        model = paged_model(engine, self.cache_type)
+        model = paged_model(engine)
         compiled = core.compile_model(model, "CPU", config)
+        given = {put.get_element_type() for put in compiled.inputs if "_cache." in put.get_any_name()}
+        if given != {self.cache_type}:  # a pool of another type would be read as garbage
+            raise LlmcError(f"{engine.path}: OpenVINO gave the KV cache {', '.join(map(str, given))}, not {cache}")
         self.request = compiled.create_infer_request()
         # compile_model compiles a copy: the graph can be rewritten for the second model.
         use_small, _ = small_steps_model(self.precision, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
@@ -343,8 +350,8 @@ class OpenVinoBackend:
             self.transposed_weights.madvise(mmap.MADV_DONTNEED)
         self.timeline = options.timeline
         self.block_size = paged.block_size
-        # The pool in the compute precision (NumPy has no bf16: its bits as uint16).
-        storage = np.uint16 if self.precision == "bf16" else np.float32
+        # The pool in the cache's precision (NumPy has no bf16: its bits as uint16).
+        storage = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32}[cache]
         self.placement = PoolPlacement(allocate=lambda shape, dtype: allocate_pool(shape, storage))
         self.kv: KvCache | None = None
 
