@@ -141,7 +141,7 @@ class OpenVinoPaged:
         import openvino as ov
 
         self.precision = precision
-        from llmc.runtime.backends.openvino import paged_model
+        from llmc.runtime.backends.openvino import POOL_STORAGE, paged_model
 
         # The engine's blocks of 16 are declared; the CPU plugin re-shapes the caches to its 32.
         model = paged_model(engine)  # the caches take KV_CACHE_PRECISION's type
@@ -156,7 +156,7 @@ class OpenVinoPaged:
         self.block_size = shape[2].get_length()
         dims = [shape[i].get_length() for i in (1, 2, 3)]
         self.num_blocks = -(-pool_tokens // self.block_size)
-        dtype = {"f32": np.float32, "bf16": np.uint16, "f16": np.float16}[self.cache_type.get_type_name()]
+        dtype = POOL_STORAGE[self.cache_type.get_type_name()]
         layers = engine.manifest.geometry.num_layers
         self.pool = np.zeros((2 * layers, self.num_blocks, *dims), dtype)
         self.request = self.compiled.create_infer_request()

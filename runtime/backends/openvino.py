@@ -69,6 +69,8 @@ LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indi
 # (measured faster at 1 and 16, slower at 32 and 64: see above).
 SMALL_STEP_TOKENS = 16
 AMX_FLAGS = ("amx_bf16", "amx_tile")  # what OpenVINO's CPU plugin needs for its fused MLP
+# The pool's NumPy element type for each OpenVINO cache type (NumPy has no bf16: its bits as uint16).
+POOL_STORAGE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32}
 # The second model is built where the memory available once the first is compiled holds this many
 # times its weights' float32 bytes: it took 0.8x those bytes resident (repacked weights and buffers;
 # SmolLM2-135M 0.4 GB for 0.5, a 1B Llama 3.4 GB for 4.4), and the KV pool's default size is a share
@@ -323,7 +325,7 @@ class OpenVinoBackend:
                             f"blocks of {BLOCK_SIZE} (recompile with --backend openvino)")
         self.precision, _ = compute_precision(manifest)
         cache = "f16" if paged.kv_dtype == "float16" else self.precision  # --kv-cache-dtype fp16, or as computed
-        self.cache_type = {"bf16": ov.Type.bf16, "f16": ov.Type.f16, "f32": ov.Type.f32}[cache]
+        self.cache_type = getattr(ov.Type, cache)
         config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": self.precision,
                   "KV_CACHE_PRECISION": cache}
         if options.threads:
@@ -350,8 +352,7 @@ class OpenVinoBackend:
             self.transposed_weights.madvise(mmap.MADV_DONTNEED)
         self.timeline = options.timeline
         self.block_size = paged.block_size
-        # The pool in the cache's precision (NumPy has no bf16: its bits as uint16).
-        storage = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32}[cache]
+        storage = POOL_STORAGE[cache]
         self.placement = PoolPlacement(allocate=lambda shape, dtype: allocate_pool(shape, storage))
         self.kv: KvCache | None = None
 
