@@ -147,6 +147,10 @@ def _compile(onnx_path: Path, output: Path, target: CompileTarget, tokenizer, le
         raise LlmcError(f"--bf16: only for --backend openvino (--backend {target.name} has no bf16 compute)")
     if bf16 and precision.fp16:
         raise LlmcError("--bf16 and --fp16: each sets the compute precision; give one")
+    if bf16 and paged is not None and paged.kv_dtype == "float16":
+        # OpenVINO 2026.4 keeps the cache of a bf16-compute model in bf16, whatever it is asked for
+        raise LlmcError("--bf16 and --kv-cache-dtype fp16: under bf16 compute the cache is bf16 (as many bytes as "
+                        "fp16); give one")
     if paged is not None and paged.block_size is None:
         paged = dataclasses.replace(paged, block_size=target.block_size)
     resolve(level, passes)  # a bad option fails before the model is read

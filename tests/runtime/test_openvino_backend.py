@@ -338,6 +338,7 @@ def test_bf16_is_checked_where_the_cpu_computes_it_or_refused(trained_onnx, tmp_
     ({"paged": PagedOptions(block_size=16)}, "--block-size 16: --backend openvino keeps blocks of 32"),
     ({"paged": None}, "--no-paged and --backend openvino"),
     ({"bf16": True, "precision": PrecisionOptions(fp16=True)}, "--bf16 and --fp16"),
+    ({"bf16": True, "paged": PagedOptions(kv_dtype="float16")}, "--bf16 and --kv-cache-dtype fp16"),
     ({"bf16": True, "backend": "onnxruntime"}, "--bf16: only for --backend openvino"),
 ])
 def test_what_openvino_cannot_build_is_refused_in_one_line(trained_onnx, tmp_path, kwargs, message):
