@@ -3,8 +3,8 @@
 The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench's ModelSpec with
 6 layers and 2,304 positions, random seeded weights), or with `--model smollm2`
 SmolLM2-135M-Instruct (tests/smollm2.py; 64 new tokens instead of 128), or with `--model llama-1b`
-large_model_bench's 1B Llama (TinyLlama-1.1B's shape, random weights) with 2,304 positions, fp32
-and int4 builds (not int4 in genai's scheme) and 32 new tokens, without the profiled runs (at 1B a run takes minutes), and `--bf16
+large_model_bench's 1B Llama (TinyLlama-1.1B's shape, random weights) with 2,304 positions and
+32 new tokens, without the profiled runs (at 1B a run takes minutes), and `--bf16
 --force` for llmc's OpenVINO engine: bf16's accuracy check runs in memory, which 4.4 GB exceed.
 Both systems build from it with their own tools, timed as subprocesses: `llmc export` + `llmc compile` (default options:
 the paged engine) against onnxruntime-genai's model builder (fp32, cpu); then `llmc compile
@@ -401,11 +401,9 @@ def spawn_openvino(python: Path, hint: str | None, job: dict[str, Any], vocab: i
     return result
 
 
-def openvino_models(checkpoint: Path, errors: dict[str, str],
-                    precisions: tuple[str, ...] = PRECISIONS) -> tuple[Path | None, dict[str, Path]]:
-    """OpenVINO GenAI's venv python and its exports of `checkpoint` by weights ("fp32", "int4"),
-    those of `precisions`; what could not be installed or exported is an entry in `errors`, not
-    the end of the run."""
+def openvino_models(checkpoint: Path, errors: dict[str, str]) -> tuple[Path | None, dict[str, Path]]:
+    """OpenVINO GenAI's venv python and its exports of `checkpoint` by weights ("fp32", "int4");
+    what could not be installed or exported is an entry in `errors`, not the end of the run."""
     import openvino_peer
 
     log("build: OpenVINO GenAI's venv")
@@ -416,7 +414,7 @@ def openvino_models(checkpoint: Path, errors: dict[str, str],
         log(f"build: OpenVINO GenAI FAILED: {errors['OpenVINO GenAI install']}")
         return None, {}
     models = {}
-    for weights in dict.fromkeys(w for p, w in OPENVINO_WEIGHTS.items() if p in precisions):
+    for weights in dict.fromkeys(OPENVINO_WEIGHTS.values()):
         log(f"build: optimum-cli export openvino {weights} (cached by the checkpoint's hash)")
         try:
             models[weights] = openvino_peer.export(checkpoint, weights, python)
@@ -665,7 +663,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     sizes = QUICK if args.quick else {"smollm2": FULL_SMOLLM2, "llama-1b": FULL_1B}.get(args.model, FULL)
     large = args.model == "llama-1b"
-    wanted = ("fp32", "int4") if large else PRECISIONS
     reps = args.reps or sizes.reps
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -678,13 +675,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = {"name": "llama-25m", **dataclasses.asdict(spec),
                  "parameters": ensure_checkpoint(checkpoint, spec)}
     model["weights_mib"] = weight_mib(checkpoint)
-    built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}", wanted, large)
+    built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}", PRECISIONS, large)
     precisions = [p for p in PRECISIONS if built["built"][p]]
     if "fp32" not in precisions:
         raise RuntimeError("the fp32 builds failed: " + "; ".join(f"{k}: {v}" for k, v in built["errors"].items()))
     model["llmc_pool_mib"] = {p: pool_mib(built["paths"]["llmc"][p]) for p in precisions}
     peer_errors: dict[str, str] = {}  # what OpenVINO GenAI could not do, by what: the reason
-    openvino_python, openvino = openvino_models(checkpoint, peer_errors, wanted)
+    openvino_python, openvino = openvino_models(checkpoint, peer_errors)
     vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
 
     limits = [measure_machine(args.threads)]  # again at the end: the larger of each is the limit

@@ -440,7 +440,7 @@ BENCHMARKS = [
               render_latency),
     Benchmark("latency_llama_1b.json", "Latency at 1B parameters: the same rows on a larger model",
               "The same measurements on a Llama of TinyLlama-1.1B's shape (random weights, 4.4 GB in fp32) with\n"
-              "2,304 positions: fp32 and int4 builds (not int4 in genai's scheme), 32 new tokens, no profiled runs;\n"
+              "2,304 positions: 32 new tokens, no profiled runs;\n"
               "llmc's bf16 engine is built with\n"
               "`--bf16 --force` (the bf16 check runs in memory, which 4.4 GB exceed). Random weights make greedy\n"
               "output repeat, which flatters llmc's guessing: read the one-token-a-step rows.",
