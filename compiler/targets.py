@@ -26,6 +26,8 @@ from llmc.errors import LlmcError
 from llmc.formats.manifest import Geometry
 from llmc.formats.onnx_io import engine_weights
 from llmc.plugins.paged_attention import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
+from llmc.passes.graph import attr
+from llmc.plugins.paged_attention import OP_TYPE as PAGED_ATTENTION
 from llmc.plugins.paged_attention import OPENVINO_BLOCK_SIZE
 from llmc.precision.dequantize_linear import matmulnbits_as_dequantize
 from llmc.precision.int8 import lower_per_token_for_onnxruntime
@@ -117,7 +119,8 @@ class OnnxRuntimeTarget(CompileTarget):
 class OpenVinoTarget(OnnxRuntimeTarget):
     """OpenVINO on the CPU (runtime/backends/openvino.py): the segments of an onnxruntime engine,
     joined at load into one OpenVINO model with its own paged attention, which keeps blocks of 32
-    tokens in a float32 pool (bf16 under --bf16; float16 with --kv-cache-dtype fp16)."""
+    tokens in the compute precision chosen at load (bf16 under --bf16 where the CPU has it), or in
+    float16 with --kv-cache-dtype fp16."""
 
     def check(self, paged, tensorrt):
         super().check(paged, tensorrt)
@@ -127,15 +130,21 @@ class OpenVinoTarget(OnnxRuntimeTarget):
             raise LlmcError(f"--block-size {paged.block_size}: --backend openvino keeps blocks of {self.block_size} "
                             "tokens (OpenVINO's CPU paged attention)")
 
+    def network(self, model, source, paged, not_paged, options):
+        """Refuse, before anything is written, a graph OpenVINO's paged attention cannot run."""
+        if paged is None:
+            raise LlmcError(f"{source}: an OpenVINO engine needs the paged lowering, which this model cannot take "
+                            f"({not_paged})")
+        for node in model.graph.node:
+            softcap = attr(node, "softcap", 0.0) if node.op_type == PAGED_ATTENTION else 0.0
+            if softcap:
+                raise LlmcError(f"--backend openvino: attention soft-capping ({softcap}, {node.name}) has no "
+                                "OpenVINO paged attention; use --backend onnxruntime")
+        return None
+
     def payload(self, model, single, paged, geometry, network, manifest, options, progress):
         # onnxruntime's sections (no single-sequence graph: one OpenVINO model runs every step)
-        payload = super().payload(model, None, paged, geometry, network, manifest, options, progress)
-        for entry in paged["segments"]:
-            attention = entry.get("attention")
-            if attention and attention.get("softcap"):
-                raise LlmcError(f"--backend openvino: attention soft-capping ({attention['softcap']}, "
-                                f"{entry['section']}) has no OpenVINO paged attention; use --backend onnxruntime")
-        return payload
+        return super().payload(model, None, paged, geometry, network, manifest, options, progress)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ from llmc.runtime.block_manager import BlockManager
 MEMORY_FRACTION = 0.5
 
 
-def pool_blocks(paged, geometry, kv_pool_mb: float | None = None, available: int | None = None) -> int:
+def pool_blocks(paged, geometry, kv_pool_mb: float | None = None, available: int | None = None,
+                dtype: str | None = None) -> int:
     """Blocks in the KV pool.
 
     Args:
@@ -60,18 +61,20 @@ def pool_blocks(paged, geometry, kv_pool_mb: float | None = None, available: int
         kv_pool_mb: the pool asked for at load, in MiB; None keeps the compiled one when
             `llmc compile --kv-pool-mb` set it, or else sizes the default by `available`.
         available: bytes of memory available now; None reads it from the system.
+        dtype: the type the pool is stored in; None: the manifest's kv_dtype.
     """
+    dtype = dtype or paged.kv_dtype
     if kv_pool_mb is not None:
         if not kv_pool_mb > 0:
             raise LlmcError(f"kv_pool_mb: must be > 0, got {kv_pool_mb}")
-        return blocks_in(kv_pool_mb, geometry, paged.block_size, paged.kv_dtype, paged.max_seq_len, "kv_pool_mb")
+        return blocks_in(kv_pool_mb, geometry, paged.block_size, dtype, paged.max_seq_len, "kv_pool_mb")
     if paged.kv_pool_mb is not None:
         return paged.num_blocks
     available = available_memory() if available is None else available
     if available is None:
         return paged.num_blocks
     per_sequence = -(-paged.max_seq_len // paged.block_size)
-    block_bytes = kv_block_bytes(geometry, paged.block_size, paged.kv_dtype)
+    block_bytes = kv_block_bytes(geometry, paged.block_size, dtype)
     return max(per_sequence, min(paged.num_blocks, int(MEMORY_FRACTION * available // block_bytes)))
 
 
@@ -116,19 +119,21 @@ class KvCache:
         allocate: makes the zeroed pool on the backend's device, given a shape and a dtype name.
         available: bytes of the device's memory available now; None reads the system's.
         max_blocks: the most blocks the backend's step can address (TensorRT: its profile's).
+        dtype: the type the pool is stored in; None: the manifest's kv_dtype.
     """
 
     def __init__(self, manifest: Manifest, kv_pool_mb: float | None = None, *,
                  allocate: Callable[[tuple[int, ...], str], Any] = allocate_pool,
-                 available: int | None = None, max_blocks: int | None = None):
+                 available: int | None = None, max_blocks: int | None = None, dtype: str | None = None):
         paged, geometry = manifest.paged, manifest.geometry
-        blocks = pool_blocks(paged, geometry, kv_pool_mb, available)
+        dtype = dtype or paged.kv_dtype
+        blocks = pool_blocks(paged, geometry, kv_pool_mb, available, dtype)
         self.num_blocks = blocks if max_blocks is None else min(blocks, max_blocks)
         self.block_size = paged.block_size
         # Every layer's keys and values in one array, [layer and part, block, kv head, slot, head dim]:
         # storing a step, or copying a block, is one operation instead of one a layer.
         self.pool = allocate((2 * geometry.num_layers, self.num_blocks, geometry.num_kv_heads, paged.block_size,
-                              geometry.head_dim), paged.kv_dtype)
+                              geometry.head_dim), dtype)
         self.blocks = BlockManager(self.num_blocks, paged.block_size, paged.window)
         self.rows: RowCache | None = None
 

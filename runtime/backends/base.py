@@ -61,11 +61,15 @@ class PoolPlacement:
         available: bytes of the device's memory free now, which the default pool takes a share
             of; None: the host's (read when the pool is sized).
         max_blocks: the most blocks the backend's step can address; None: no limit.
+        dtype: the type the pool is stored in, where the backend keeps it in another than the
+            manifest's kv_dtype (OpenVINO keeps a bf16-compute cache in bf16, as uint16); the
+            pool's blocks are counted in it. None: the manifest's.
     """
 
     allocate: Callable[[tuple[int, ...], str], Any] = allocate_pool
     available: int | None = None
     max_blocks: int | None = None
+    dtype: str | None = None
 
 
 @runtime_checkable

@@ -59,7 +59,7 @@ from llmc.formats.cpu_features import cpu_flags, native_bf16
 from llmc.formats.engine_file import EngineFile, FileRange, bind_weights
 from llmc.plugins.paged_attention import OPENVINO_BLOCK_SIZE as BLOCK_SIZE
 from llmc.runtime.backends.base import BackendOptions, PoolPlacement
-from llmc.runtime.kv_cache import KvCache, allocate_pool, available_memory
+from llmc.runtime.kv_cache import KvCache, available_memory
 from llmc.runtime.step_plan import PACKED, StepPaths, StepPlan
 from llmc.runtime.timeline import OPENVINO
 
@@ -102,7 +102,8 @@ def small_steps_model(precision: str, flags: frozenset[str] | None = None, threa
     if threads is not None and threads < 2:
         return False, "one model for every step (the fused MLP needs 2 threads or more)"
     return True, (f"steps of up to {SMALL_STEP_TOKENS} tokens on a second model with OpenVINO's fused "
-                  "MLP (this CPU has AMX; with 2 threads or more); prompts on the first")
+                  "MLP (this CPU has AMX; with 2 threads or more, where memory and disk hold twice and "
+                  "once its weights' float32 bytes at load); prompts on the first")
 
 
 def weights_transposed(model, folder: Path, room: int | None = None) -> mmap.mmap | None:
@@ -163,8 +164,8 @@ def paged_model(engine: EngineFile):
     """The engine's segments joined into one ov.Model, each PagedAttention call OpenVINO's, over
     per-layer cache parameters `key_cache.i`/`value_cache.i` [blocks, kv heads, block, head dim]
     and the step's layout in `LAYOUT_INPUTS` (shared by every layer). The caches' element type is
-    left to the plugin, which gives them its KV_CACHE_PRECISION (as OpenVINO GenAI's models do):
-    declared f16 under f32 compute, the bound f16 pool was never written (OpenVINO 2026.4)."""
+    left dynamic, for the plugin to give them its KV_CACHE_PRECISION (as OpenVINO GenAI's models
+    do): OpenVINO 2026.4 does not write a bound pool whose declared type differs from it."""
     import openvino as ov
     import openvino.opset13 as ops
     from openvino._pyopenvino.op import _PagedAttentionExtension
@@ -226,18 +227,39 @@ def paged_model(engine: EngineFile):
     return ov.Model([logits], [params[n] for n in order], "llmc_paged")
 
 
+def _reason(error: RuntimeError) -> str:
+    """An OpenVINO error's last line: its message (the lines above it name source locations)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _compiled(core, model, config: dict, engine: EngineFile):
+    try:
+        return core.compile_model(model, "CPU", config)
+    except RuntimeError as error:
+        raise LlmcError(f"{engine.path}: OpenVINO's CPU plugin cannot compile it: "
+                        f"{_reason(error)}") from None
+
+
 def _read_segment(core, engine: EngineFile, section: str, weights: FileRange, head_dim: int):
     graph = onnx.ModelProto()
     graph.ParseFromString(bytes(engine.sections[section]))
     rotary_tokens_as_batch(graph.graph, head_dim)
-    # The bound graph names its weights relative to the engine's folder: it is read from there.
-    fd, path = tempfile.mkstemp(suffix=".onnx", dir=engine.path.parent)
+    # The bound graph names its weights by the engine file's name, and OpenVINO reads external
+    # weights only from the graph file's own folder (it refuses a link out of it): the segment is
+    # written beside the engine, for as long as the read takes.
     try:
-        os.write(fd, bind_weights(graph.SerializeToString(), weights))
-        os.close(fd)
-        return core.read_model(path)
-    finally:
-        os.unlink(path)
+        file = tempfile.NamedTemporaryFile(prefix=".llmc-segment-", suffix=".onnx", dir=engine.path.parent)
+    except OSError as error:
+        raise LlmcError(f"{engine.path}: OpenVINO reads the engine's graphs from a file beside it, and its folder "
+                        f"takes none ({error.strerror})") from None
+    with file:
+        file.write(bind_weights(graph.SerializeToString(), weights))
+        file.flush()
+        try:
+            return core.read_model(file.name)
+        except RuntimeError as error:
+            raise LlmcError(f"{engine.path}: section {section}: OpenVINO cannot read it: {_reason(error)}") from None
 
 
 def rotary_tokens_as_batch(graph: onnx.GraphProto, head_dim: int) -> None:
@@ -324,7 +346,9 @@ class OpenVinoBackend:
             raise LlmcError(f"{engine.path}: block size {paged.block_size}; OpenVINO's CPU paged attention keeps "
                             f"blocks of {BLOCK_SIZE} (recompile with --backend openvino)")
         self.precision, _ = compute_precision(manifest)
-        cache = "f16" if paged.kv_dtype == "float16" else self.precision  # --kv-cache-dtype fp16, or as computed
+        # Under bf16 compute OpenVINO keeps the cache in bf16 whatever it is asked; under f32, in the
+        # engine's type (float16 with --kv-cache-dtype fp16, or from a float16 export).
+        cache = "bf16" if self.precision == "bf16" else "f16" if paged.kv_dtype == "float16" else "f32"
         self.cache_type = getattr(ov.Type, cache)
         config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": self.precision,
                   "KV_CACHE_PRECISION": cache}
@@ -332,7 +356,7 @@ class OpenVinoBackend:
             config["INFERENCE_NUM_THREADS"] = options.threads
         core = ov.Core()
         model = paged_model(engine)
-        compiled = core.compile_model(model, "CPU", config)
+        compiled = _compiled(core, model, config, engine)
         given = {put.get_element_type() for put in compiled.inputs if "_cache." in put.get_any_name()}
         if given != {self.cache_type}:  # a pool of another type would be read as garbage
             raise LlmcError(f"{engine.path}: OpenVINO gave the KV cache {', '.join(map(str, given))}, not {cache}")
@@ -345,15 +369,14 @@ class OpenVinoBackend:
         room = None if available is None else available // SECOND_MODEL_ROOM
         self.transposed_weights = weights_transposed(model, engine.path.parent, room) if use_small else None
         self.small_request = (None if self.transposed_weights is None
-                              else core.compile_model(model, "CPU", config).create_infer_request())
+                              else _compiled(core, model, config, engine).create_infer_request())
         del model
         release_file_pages(engine.path)
         if self.transposed_weights is not None:
             self.transposed_weights.madvise(mmap.MADV_DONTNEED)
         self.timeline = options.timeline
         self.block_size = paged.block_size
-        storage = POOL_STORAGE[cache]
-        self.placement = PoolPlacement(allocate=lambda shape, dtype: allocate_pool(shape, storage))
+        self.placement = PoolPlacement(dtype=np.dtype(POOL_STORAGE[cache]).name)
         self.kv: KvCache | None = None
 
     def attach(self, kv: KvCache) -> None:
@@ -398,13 +421,12 @@ class OpenVinoBackend:
         # cut into steps changes their rounding (not checked bit for bit here).
         return False
 
-    def warm_up(self, seqs: int = 2) -> None:
+    def warm_up(self) -> None:
         """One throw-away step on each model, a prompt chunk and a decode, in blocks no request
         owns yet: the first calls' allocations and kernel selection."""
         from llmc.plugins.paged_attention import PagedBatch
 
-        if self.kv.num_blocks < 2:
-            seqs = 1
+        seqs = 2 if self.kv.num_blocks >= 2 else 1
         prompt = min(16, self.block_size)
         tables = np.arange(seqs, dtype=np.int64)[:, None]
         starts = np.array([0, prompt, prompt + 1][:seqs + 1])

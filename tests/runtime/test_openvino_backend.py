@@ -94,7 +94,10 @@ def _backend(path):
 
 
 def test_f32_steps_match_the_unmodified_graph_wherever_the_sequences_sit(engines, reference):
+    folder = engines["f32"].parent
+    before = sorted(folder.iterdir())
     backend = _backend(engines["f32"])
+    assert sorted(folder.iterdir()) == before  # the load writes nothing beside the engine
     assert backend.precision == "f32" and backend.kv.block_size == BLOCK_SIZE
     a, b = _ids(engines["f32"], 70), _ids(engines["f32"], 40, offset=5)  # A spans three blocks
     step1, step2 = _two_steps(backend, a, b)
@@ -129,6 +132,8 @@ def test_an_f16_cache_under_f32_compute_is_stored_in_the_bound_pool(engines, ref
 def test_bf16_steps_stay_near_the_unmodified_graph(engines, reference):
     backend = _backend(engines["bf16"])
     assert backend.precision == "bf16" and backend.kv.pool.dtype == np.uint16  # the pool holds bf16
+    # counted in its own 2 bytes: the same MiB hold twice the float32 pool's blocks
+    assert backend.kv.num_blocks == 2 * _backend(engines["f32"]).kv.num_blocks
     a, b = _ids(engines["bf16"], 70), _ids(engines["bf16"], 40, offset=5)
     step1, step2 = _two_steps(backend, a, b)
     expected = np.concatenate([reference(a), reference(b)])
@@ -302,8 +307,11 @@ def test_bf16_decodes_on_the_fused_mlp_model_stay_near_the_unmodified_graph(engi
                          np.array([39])))
     decode = StepPlan(PACKED, np.array(ids[-1:]), np.array([40]), PagedBatch(blocks, np.array([40]), np.array([0, 1])),
                       np.array([0]))
-    assert len(decode.tokens) <= SMALL_STEP_TOKENS
-    fused, plain = backend.run(decode)[0], backend._infer(backend.request, decode)[0]
+    ran, infer = [], backend._infer
+    backend._infer = lambda request, plan: ran.append(request) or infer(request, plan)
+    fused = backend.run(decode)[0]
+    assert len(decode.tokens) <= SMALL_STEP_TOKENS and ran == [backend.small_request]
+    plain = infer(backend.request, decode)[0]
     expected = reference(ids)[-1]
     for got in (fused, plain):
         assert np.abs(got - expected).mean() < 0.05 * expected.std()
@@ -346,6 +354,18 @@ def test_what_openvino_cannot_build_is_refused_in_one_line(trained_onnx, tmp_pat
     with pytest.raises(LlmcError, match=message):
         compile_model(trained_onnx, out, **{"backend": "openvino", **kwargs})
     assert not out.exists()
+
+
+def test_a_graph_the_paged_lowering_cannot_take_is_refused_before_anything_is_written(trained_onnx, tmp_path,
+                                                                                     monkeypatch):
+    from llmc.compiler import build
+
+    monkeypatch.setattr(build, "lower", lambda *args, **kwargs: ("the graph has no position_ids input", None))
+    out = tmp_path / "new" / "refused.plan"
+    with pytest.raises(LlmcError, match=r"an OpenVINO engine needs the paged lowering, which this model cannot "
+                                        r"take \(the graph has no position_ids input\)$"):
+        compile_model(trained_onnx, out, backend="openvino")
+    assert not out.parent.exists()
 
 
 def test_the_product_command_on_openvino_agrees_with_onnxruntime(trained_onnx, tmp_path):
