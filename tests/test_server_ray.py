@@ -4,7 +4,9 @@ template, as in tests/test_server.py)."""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +21,22 @@ from test_server import KEY, MODEL  # noqa: E402
 from tls import self_signed, trusting  # noqa: E402
 
 
+def _proxy_port() -> int:
+    """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range: a port
+    probed free inside that range can be taken before the proxy binds it by one of the outgoing
+    connections Ray opens while it starts, which draw their local ports from there."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for port in random.sample(range(20000, max(low, 20001)), min(200, max(low - 20000, 1))):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between 20000 and {low}")
+
+
 @pytest.fixture(scope="module")
 def ray_url(chat_engine, tmp_path_factory):
     """(base URL, client TLS context) of the proxy."""
@@ -26,9 +44,7 @@ def ray_url(chat_engine, tmp_path_factory):
 
     from llmc.server_ray import application, http_options
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _proxy_port()
     key_file, cert_file = self_signed(tmp_path_factory.mktemp("tls"))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
