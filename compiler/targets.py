@@ -25,8 +25,8 @@ from llmc.compiler.tensorrt_network import (TensorRTOptions, check_network, map_
 from llmc.errors import LlmcError
 from llmc.formats.manifest import Geometry
 from llmc.formats.onnx_io import engine_weights
-from llmc.plugins.paged_attention import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
 from llmc.passes.graph import attr
+from llmc.plugins.paged_attention import DEFAULT_BLOCK_SIZE as KV_BLOCK_SIZE
 from llmc.plugins.paged_attention import OP_TYPE as PAGED_ATTENTION
 from llmc.plugins.paged_attention import OPENVINO_BLOCK_SIZE
 from llmc.precision.dequantize_linear import matmulnbits_as_dequantize

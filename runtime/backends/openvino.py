@@ -249,17 +249,15 @@ def _read_segment(core, engine: EngineFile, section: str, weights: FileRange, he
     # weights only from the graph file's own folder (it refuses a link out of it): the segment is
     # written beside the engine, for as long as the read takes.
     try:
-        file = tempfile.NamedTemporaryFile(prefix=".llmc-segment-", suffix=".onnx", dir=engine.path.parent)
-    except OSError as error:
-        raise LlmcError(f"{engine.path}: OpenVINO reads the engine's graphs from a file beside it, and its folder "
-                        f"takes none ({error.strerror})") from None
-    with file:
-        file.write(bind_weights(graph.SerializeToString(), weights))
-        file.flush()
-        try:
+        with tempfile.NamedTemporaryFile(prefix=".llmc-segment-", suffix=".onnx", dir=engine.path.parent) as file:
+            file.write(bind_weights(graph.SerializeToString(), weights))
+            file.flush()
             return core.read_model(file.name)
-        except RuntimeError as error:
-            raise LlmcError(f"{engine.path}: section {section}: OpenVINO cannot read it: {_reason(error)}") from None
+    except OSError as error:
+        raise LlmcError(f"{engine.path}: OpenVINO reads the engine's graphs from a file beside it, which its folder "
+                        f"cannot take ({error.strerror})") from None
+    except RuntimeError as error:
+        raise LlmcError(f"{engine.path}: section {section}: OpenVINO cannot read it: {_reason(error)}") from None
 
 
 def rotary_tokens_as_batch(graph: onnx.GraphProto, head_dim: int) -> None:

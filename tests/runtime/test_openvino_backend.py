@@ -342,6 +342,35 @@ def test_bf16_is_checked_where_the_cpu_computes_it_or_refused(trained_onnx, tmp_
         assert not out.exists()
 
 
+def test_a_segment_openvino_cannot_read_or_a_full_folder_is_one_line_naming_the_engine(engines, monkeypatch):
+    import errno
+    import re
+
+    from llmc.formats.engine_file import FileRange
+    from llmc.runtime.backends import openvino as backend_module
+
+    engine = read_engine(engines["f32"])
+    section = engine.manifest.paged.segments[0].section
+    args = (engine, section, FileRange(engine.path, engine.offsets["model.onnx.data"]), engine.manifest.geometry.head_dim)
+    before = sorted(engine.path.parent.iterdir())
+
+    class Refusing:  # OpenVINO's errors: source locations, then the message
+        def read_model(self, path):
+            raise RuntimeError("Exception from src/frontends/onnx/frontend/src/frontend.cpp:1:\n"
+                               "OnnxNode 'x' is not supported\n")
+
+    with pytest.raises(LlmcError, match=rf"^{re.escape(str(engine.path))}: section {re.escape(section)}: OpenVINO "
+                                        r"cannot read it: OnnxNode 'x' is not supported$"):
+        backend_module._read_segment(Refusing(), *args)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(backend_module.tempfile, "NamedTemporaryFile", full)
+    with pytest.raises(LlmcError, match=r"which its folder cannot take \(No space left on device\)$"):
+        backend_module._read_segment(Refusing(), *args)
+    assert sorted(engine.path.parent.iterdir()) == before
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"paged": PagedOptions(block_size=16)}, "--block-size 16: --backend openvino keeps blocks of 32"),
     ({"paged": None}, "--no-paged and --backend openvino"),
