@@ -49,11 +49,13 @@ class LLM:
         kv_pool_mb: a paged engine's KV pool in MiB; None: the compiled size or the default rule
             (see `Engine`).
         speculative_tokens: a paged engine's prompt-lookup guesses per step (see `Engine`).
+        decode_model: OpenVINO engines: decode steps on a second model where the CPU and memory
+            allow it; False: one model, less memory (see `Engine`).
     """
 
     def __init__(self, engine_path: str | os.PathLike, threads: int | None = None,
                  config: SchedulerConfig | None = None, kv_pool_mb: float | None = None,
-                 speculative_tokens: int | None = None):
+                 speculative_tokens: int | None = None, decode_model: bool = True):
         engine = load_engine_file(engine_path, verify=False)
         self.path, self.manifest = engine.path, engine.manifest
         self.section_check = SectionCheck(engine)
@@ -61,7 +63,8 @@ class LLM:
             if engine.manifest.paged is not None:
                 self.engine: Engine | None = Engine(engine, config, threads, kv_pool_mb,
                                                     section_check=self.section_check,
-                                                    speculative_tokens=speculative_tokens)
+                                                    speculative_tokens=speculative_tokens,
+                                                    decode_model=decode_model)
                 self.tokenizer, self.max_seq_len = self.engine.tokenizer, self.engine.max_seq_len
                 self._contiguous = None
             else:

@@ -26,14 +26,15 @@ class Replica:
     """One Serve replica: an engine and the HTTP app that owns it."""
 
     def __init__(self, engine_path: str, options: ServerOptions, scheduler: dict[str, Any],
-                 threads: int | None, kv_pool_mb: float | None, speculative_tokens: int | None = None):
+                 threads: int | None, kv_pool_mb: float | None, speculative_tokens: int | None = None,
+                 decode_model: bool = True):
         from llmc.runtime.engine import Engine
         from llmc.runtime.scheduler import SchedulerConfig
         from llmc.server import create_app
 
         config = SchedulerConfig(**scheduler)
         engine = Engine(engine_path, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1,
-                        speculative_tokens=speculative_tokens)
+                        speculative_tokens=speculative_tokens, decode_model=decode_model)
         self._app = create_app(engine, options)
 
     def __serve_build_asgi_app__(self):
@@ -42,14 +43,15 @@ class Replica:
 
 def application(engine_path: str, options: ServerOptions | dict, scheduler: dict[str, Any] | None = None,
                 replicas: int = 2, cpus_per_replica: float = 1.0, threads: int | None = None,
-                kv_pool_mb: float | None = None, speculative_tokens: int | None = None):
+                kv_pool_mb: float | None = None, speculative_tokens: int | None = None, decode_model: bool = True):
     """The Ray Serve application: `replicas` copies of the server for `engine_path`."""
     serve = require_ray()
     if isinstance(options, dict):  # from a Serve config file's args
         options = ServerOptions(**options)
     deployment = serve.deployment(name="llmc", num_replicas=replicas,
                                   ray_actor_options={"num_cpus": cpus_per_replica})(serve.ingress()(Replica))
-    return deployment.bind(str(engine_path), options, scheduler or {}, threads, kv_pool_mb, speculative_tokens)
+    return deployment.bind(str(engine_path), options, scheduler or {}, threads, kv_pool_mb, speculative_tokens,
+                           decode_model)
 
 
 def require_ray():

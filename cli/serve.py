@@ -24,6 +24,9 @@ from llmc.errors import LlmcError
               help="Scheduler: priority (a request's \"priority\" field, lower first, then arrival) or fifo.")
 @click.option("--threads", type=int, help="CPU threads (default: every core).")
 @click.option("--kv-pool-mb", type=float, help="KV pool size (default: the compiled size or the load-time rule).")
+@click.option("--decode-model/--no-decode-model", default=True, show_default=True,
+              help="OpenVINO engines: decodes on a second model where the CPU and memory allow it; "
+                   "off: one model for every step (less memory, a faster load).")
 @click.option("--ray", "use_ray", is_flag=True, help="Serve replicas as Ray Serve deployments behind Ray's HTTP proxy "
               "(a local Ray cluster, or RAY_ADDRESS's).")
 @click.option("--replicas", default=2, show_default=True, type=int, help="With --ray: engine replicas.")
@@ -36,8 +39,8 @@ from llmc.errors import LlmcError
               help="Seconds a request may take from arrival; past it, it is aborted and answered 504.")
 @speculative_tokens_option
 def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_batched_tokens, max_wait_ms, policy,
-          threads, kv_pool_mb, use_ray, replicas, api_key, public_metrics, ssl_keyfile, ssl_certfile, request_timeout,
-          speculative_tokens):
+          threads, kv_pool_mb, decode_model, use_ray, replicas, api_key, public_metrics, ssl_keyfile, ssl_certfile,
+          request_timeout, speculative_tokens):
     """Serve ENGINE over an OpenAI-compatible HTTP API (completions, chat, models, health, metrics)."""
     import importlib.util
 
@@ -73,14 +76,15 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
         cores = os.cpu_count() or 1
         app = server_ray.application(str(Path(engine).resolve()), options, scheduler, replicas,
                                      cpus_per_replica=cores / replicas, threads=threads or max(1, cores // replicas),
-                                     kv_pool_mb=kv_pool_mb, speculative_tokens=speculative_tokens)
+                                     kv_pool_mb=kv_pool_mb, speculative_tokens=speculative_tokens,
+                                     decode_model=decode_model)
         click.echo(f"serving {options.model_name} on {scheme}://{host}:{port}/v1 with {replicas} Ray Serve replicas "
                    f"(Ctrl-C or SIGTERM stops)", err=True)
         server_ray.run(app, host, port, tls=tls)
         return
     share_threads(threads)
     loaded = Engine(engine, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1,
-                    speculative_tokens=speculative_tokens)
+                    speculative_tokens=speculative_tokens, decode_model=decode_model)
     app = create_app(loaded, options)
     click.echo(f"serving {options.model_name} on {scheme}://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops)",
                err=True)

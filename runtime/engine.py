@@ -162,17 +162,20 @@ class Engine:
             `default_speculative_tokens`.
         timeline: records where each step's time goes (runtime/timeline.py; `llmc profile`);
             None records nothing.
+        decode_model: OpenVINO backend: decode steps on a second model where the CPU and memory
+            allow it (`BackendOptions.decode_model`); False: one model, less memory, a faster load.
     """
 
     def __init__(self, engine: str | os.PathLike | EngineFile, config: SchedulerConfig | None = None,
                  threads: int | None = None, kv_pool_mb: float | None = None, *,
                  section_check: SectionCheck | None = None, single_sequence: bool = True,
-                 concurrent: bool = False, speculative_tokens: int | None = None, timeline=None):
+                 concurrent: bool = False, speculative_tokens: int | None = None, timeline=None,
+                 decode_model: bool = True):
         if speculative_tokens is not None and (not isinstance(speculative_tokens, int) or speculative_tokens < 0):
             raise LlmcError(f"--speculative-tokens: must be an integer ≥ 0, got {speculative_tokens!r}")
         self.section_check = section_check
         self.timeline = timeline or OFF
-        options = BackendOptions(threads, single_sequence, concurrent, self.timeline)
+        options = BackendOptions(threads, single_sequence, concurrent, self.timeline, decode_model)
         if isinstance(engine, EngineFile):
             self._load(engine, options, kv_pool_mb)
         else:

@@ -507,3 +507,21 @@ def test_streamed_logprobs_equal_the_whole_answers(server):
     for choice in answer["choices"]:
         assert by_index[choice["index"]] == pytest.approx(choice["logprobs"]["token_logprobs"], abs=1e-4)
     assert sum(len(c["logprobs"]["tokens"]) for c in answer["choices"]) == answer["usage"]["completion_tokens"]
+
+
+def test_serve_hands_the_decode_model_switch_to_the_engine(chat_engine, monkeypatch):
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+    from llmc.errors import LlmcError
+
+    seen = []
+
+    def engine(*args, **kwargs):
+        seen.append(kwargs["decode_model"])
+        raise LlmcError("loaded no further")
+    monkeypatch.setattr("llmc.runtime.engine.Engine", engine)
+    for args in ([], ["--no-decode-model"], ["--decode-model"]):
+        result = CliRunner().invoke(main, ["serve", str(chat_engine), *args])
+        assert result.exit_code == 2 and "loaded no further" in result.stderr, result.stderr
+    assert seen == [True, False, True]

@@ -44,12 +44,15 @@ class BackendOptions:
         concurrent: requests are expected to overlap (a server, a throughput benchmark): build
             what a step of several sequences needs at load, not at its first such step.
         timeline: where the backend records its calls (runtime/timeline.py); `OFF` records none.
+        decode_model: OpenVINO: decode steps on a second model where the CPU and memory allow it
+            (faster decodes, for more memory and a slower load); False: one model for every step.
     """
 
     threads: int | None = None
     single_sequence: bool = True
     concurrent: bool = False
     timeline: Any = OFF
+    decode_model: bool = True
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ the two models alternated in one process (medians of 6-12 pairs): a decode step 
 13-23% longer at 1B; a 128-token prompt level (SmolLM2) or 34% longer (1B), 1,024-2,048 tokens
 4-17% longer. The cost: the second model's own repacked weights and buffers (resident after
 load: SmolLM2-135M 1.1 GB against 0.7, a 1B Llama 7.5 GB against 4.1), so it is built only where
-the memory available leaves room for it (`SECOND_MODEL_ROOM`).
+the memory available leaves room for it (`SECOND_MODEL_ROOM`), with a warning where it does not,
+and not at all where `BackendOptions.decode_model` is off.
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import os
 import tempfile
@@ -62,6 +64,8 @@ from llmc.runtime.backends.base import BackendOptions, PoolPlacement
 from llmc.runtime.kv_cache import KvCache, available_memory
 from llmc.runtime.step_plan import PACKED, StepPaths, StepPlan
 from llmc.runtime.timeline import OPENVINO
+
+log = logging.getLogger(__name__)
 
 GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own inputs
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
@@ -103,18 +107,22 @@ def small_steps_model(precision: str, flags: frozenset[str] | None = None, threa
         return False, "one model for every step (the fused MLP needs 2 threads or more)"
     return True, (f"steps of up to {SMALL_STEP_TOKENS} tokens on a second model with OpenVINO's fused "
                   "MLP (this CPU has AMX; with 2 threads or more, where memory and disk hold twice and "
-                  "once its weights' float32 bytes at load); prompts on the first")
+                  "once its weights' float32 bytes at load; off with --no-decode-model); prompts on the first")
 
 
-def weights_transposed(model, folder: Path, room: int | None = None) -> mmap.mmap | None:
+def weights_transposed(model, folder: Path, room: int | None = None) -> tuple[mmap.mmap | None, str | None]:
     """Give every MatMul of `model` whose weight is a 2-D float32 constant [K, N] that weight as
     [N, K] with transpose_b, in place: the form OpenVINO's MLP fusion matches (a PyTorch
     Linear's). Weight-only quantized products (a decompression subgraph, not a constant) keep
     theirs. The new weights live in an unlinked file in `folder` (`_scratch_mapping`), mapped: the
     compiled model keeps its source constants, and file pages can be dropped once it has repacked
     them (`mapping.madvise(mmap.MADV_DONTNEED)`), where copies in memory would stay resident (SmolLM2:
-    0.5 GB). The mapping, or None (the model unchanged) where no product qualified, no file could
-    hold them, or they take more than `room` bytes (None: no limit)."""
+    0.5 GB).
+
+    Returns:
+        (the mapping, None), or (None, why) with the model unchanged: why is None where no product
+        qualified, else what was short: `room` bytes of memory (None: no limit), or a file.
+    """
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -125,13 +133,14 @@ def weights_transposed(model, folder: Path, room: int | None = None) -> mmap.mma
                 and weight.get_element_type() == ov.Type.f32 and len(weight.get_output_shape(0)) == 2):
             products.append((node, weight))
     if not products:
-        return None
+        return None, None
     sizes = [int(np.prod(weight.get_output_shape(0))) * 4 for _, weight in products]
+    needed = f"{sum(sizes) / 2**30:.1f} GiB"
     if room is not None and sum(sizes) > room:
-        return None
+        return None, f"its weights need {needed} more memory, and {room / 2**30:.1f} GiB is spare"
     mapping = _scratch_mapping(sum(sizes), folder)
     if mapping is None:
-        return None
+        return None, f"its weights need {needed} of disk, which neither {folder} nor {tempfile.gettempdir()} has"
     offset = 0
     for (node, weight), size in zip(products, sizes):
         k, n = weight.get_output_shape(0)
@@ -143,7 +152,7 @@ def weights_transposed(model, folder: Path, room: int | None = None) -> mmap.mma
         for target in list(node.output(0).get_target_inputs()):
             target.replace_source_output(product.output(0))
         offset += size
-    return mapping
+    return mapping, None
 
 
 def _scratch_mapping(size: int, folder: Path) -> mmap.mmap | None:
@@ -363,9 +372,13 @@ class OpenVinoBackend:
         use_small, _ = small_steps_model(self.precision, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
         # The second model reads its weights from this mapping for as long as it lives. Built only
         # where it leaves room (`SECOND_MODEL_ROOM`): a model that fits once must still load.
-        available = available_memory()
-        room = None if available is None else available // SECOND_MODEL_ROOM
-        self.transposed_weights = weights_transposed(model, engine.path.parent, room) if use_small else None
+        self.transposed_weights = None
+        if use_small and options.decode_model:
+            available = available_memory()
+            room = None if available is None else available // SECOND_MODEL_ROOM
+            self.transposed_weights, short = weights_transposed(model, engine.path.parent, room)
+            if short:
+                log.warning("%s: decodes run on the prompt model, without OpenVINO's fused MLP: %s", engine.path, short)
         self.small_request = (None if self.transposed_weights is None
                               else _compiled(core, model, config, engine).create_infer_request())
         del model

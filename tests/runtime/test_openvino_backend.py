@@ -244,15 +244,15 @@ def test_weights_transposed_leaves_every_product_as_it_was(tmp_path):
     first = ops.matmul(x, ops.constant(w1), False, False)
     second = ops.matmul(first, ops.convert(ops.constant(w2), "f32"), False, False)  # not a constant: kept
     model = ov.Model([second], [x])
-    mapping = weights_transposed(model, tmp_path)
-    assert len(mapping) == w1.nbytes and list(tmp_path.iterdir()) == []  # the file is unlinked
+    mapping, short = weights_transposed(model, tmp_path)
+    assert short is None and len(mapping) == w1.nbytes and list(tmp_path.iterdir()) == []  # the file is unlinked
     products = [n for n in model.get_ordered_ops() if n.get_type_name() == "MatMul"]
     assert [n.get_attributes()["transpose_b"] for n in products] == [True, False]
     assert products[0].input_value(1).get_node().get_output_shape(0) == [5, 8]
     feed = rng.standard_normal((2, 3, 8)).astype(np.float32)
     got = ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})(feed)[0]
     np.testing.assert_allclose(got, feed @ w1 @ w2.astype(np.float32), rtol=1e-5, atol=1e-5)
-    assert weights_transposed(ov.Model([ops.relu(x)], [x]), tmp_path) is None
+    assert weights_transposed(ov.Model([ops.relu(x)], [x]), tmp_path) == (None, None)  # nothing to transpose
 
 
 def test_no_second_model_where_its_weights_leave_no_room(tmp_path):
@@ -266,10 +266,12 @@ def test_no_second_model_where_its_weights_leave_no_room(tmp_path):
         return ov.Model([ops.matmul(x, ops.constant(np.ones((4, 2), np.float32)), False, False)], [x])
 
     unchanged = model()
-    assert weights_transposed(unchanged, tmp_path, room=31) is None
+    mapping, short = weights_transposed(unchanged, tmp_path, room=31)
+    assert mapping is None and short.startswith("its weights need 0.0 GiB more memory")
     assert [n.get_attributes()["transpose_b"] for n in unchanged.get_ordered_ops() if n.get_type_name() == "MatMul"] \
         == [False]
-    assert len(weights_transposed(model(), tmp_path, room=32)) == 32
+    assert len(weights_transposed(model(), tmp_path, room=32)[0]) == 32
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_transposed_weights_go_to_the_temporary_directory_or_nowhere(tmp_path, monkeypatch):
@@ -285,13 +287,14 @@ def test_transposed_weights_go_to_the_temporary_directory_or_nowhere(tmp_path, m
         x = ops.parameter([1, 4], ov.Type.f32, name="x")
         return ov.Model([ops.matmul(x, ops.constant(np.ones((4, 2), np.float32)), False, False)], [x])
 
-    assert len(weights_transposed(model(), tmp_path / "missing")) == 32
+    assert len(weights_transposed(model(), tmp_path / "missing")[0]) == 32
 
     def full(fd, offset, size):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "posix_fallocate", full)
     unchanged = model()
-    assert weights_transposed(unchanged, tmp_path) is None
+    mapping, short = weights_transposed(unchanged, tmp_path)
+    assert mapping is None and f"of disk, which neither {tmp_path} nor" in short
     assert not any(n.get_attributes().get("transpose_b") for n in unchanged.get_ordered_ops()
                    if n.get_type_name() == "MatMul")
 
@@ -316,6 +319,24 @@ def test_bf16_decodes_on_the_fused_mlp_model_stay_near_the_unmodified_graph(engi
     for got in (fused, plain):
         assert np.abs(got - expected).mean() < 0.05 * expected.std()
     assert fused.argmax() == plain.argmax() == expected.argmax()
+
+
+@pytest.mark.skipif(not (BF16_ON_HERE and AMX_HERE), reason="the fused-MLP decode model needs AMX and bf16")
+def test_the_decode_model_can_be_turned_off_and_a_load_without_room_for_it_says_so(engines, monkeypatch, caplog):
+    from llmc.llm import LLM
+    from llmc.runtime.backends import openvino as backend_module
+
+    with caplog.at_level("WARNING", logger=backend_module.__name__):
+        off = LLM(engines["bf16"], threads=2, kv_pool_mb=16, decode_model=False)
+        assert off.engine.backend.small_request is None and off.engine.backend.transposed_weights is None
+        assert caplog.records == []  # turned off by hand: nothing to report
+        monkeypatch.setattr(backend_module, "available_memory", lambda: 2 ** 20)
+        short = _backend(engines["bf16"])
+    assert short.small_request is None
+    [record] = caplog.records
+    assert record.getMessage().startswith(f"{engines['bf16']}: decodes run on the prompt model, without OpenVINO's "
+                                          "fused MLP: its weights need ")
+    assert "GiB more memory, and 0.0 GiB is spare" in record.getMessage()
 
 
 def test_bf16_is_checked_where_the_cpu_computes_it_or_refused(trained_onnx, tmp_path, monkeypatch):
