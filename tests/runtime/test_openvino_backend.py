@@ -255,6 +255,16 @@ def test_weights_transposed_leaves_every_product_as_it_was(tmp_path):
     assert weights_transposed(ov.Model([ops.relu(x)], [x]), tmp_path) == (None, None)  # nothing to transpose
 
 
+def test_the_tiled_transpose_is_numpys_whatever_the_tiles_leave_over():
+    from llmc.runtime.backends.openvino import _transpose_into
+
+    source = np.random.default_rng(1).standard_normal((7, 11)).astype(np.float32)
+    for tile in (1, 3, 4, 11, 512):
+        target = np.full((11, 7), np.nan, np.float32)
+        _transpose_into(target, source, tile)
+        np.testing.assert_array_equal(target, source.T)
+
+
 def test_no_second_model_where_its_weights_leave_no_room(tmp_path):
     """A second model whose weights take more than the room given is not built: the model keeps
     its products, and no file is made."""
