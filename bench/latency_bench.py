@@ -108,12 +108,11 @@ OPENVINO = {"openvino": None, "openvino-f32": "f32"}
 # (it keeps the tied lm_head in int8 per channel); it has no build in genai's scheme.
 OPENVINO_WEIGHTS = {"fp32": "fp32", "int4": "int4"}
 # llmc's own OpenVINO backend (--backend openvino): system name -> its extra compile options, and
-# the OpenVINO GenAI setting it is compared with. Its fp32 engines, and the bf16 one's int4 build
-# beside OpenVINO GenAI's int4 with its defaults.
+# the OpenVINO GenAI setting it is compared with. Its fp32 engines and their int4 builds, each beside
+# OpenVINO GenAI's int4 with the same compute precision.
 LLMC_OPENVINO = {"llmc-openvino": (["--bf16"], "openvino"), "llmc-openvino-f32": ([], "openvino-f32")}
 # The systems run back to back, each pair a comparison the tables make.
 PAIRS = (("llmc", "genai"), *((peer, system) for system, (_, peer) in LLMC_OPENVINO.items()))
-LLMC_OPENVINO_INT4 = "llmc-openvino"
 TTFT_PROMPTS = 5  # prompts a run's TTFT at 128 tokens is the median of
 
 
@@ -566,15 +565,14 @@ def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS,
         options = [*options, "--force"] if large and "--bf16" in options else options
         seconds[f"{system}_compile"] = timed([*llmc, "compile", str(onnx), "-o", str(out / f"{system}.plan"),
                                               "--backend", "openvino", *options], f"llmc compile {system}", errors)
-    if "int4" in precisions:
-        options = LLMC_OPENVINO[LLMC_OPENVINO_INT4][0]
-        seconds[f"{LLMC_OPENVINO_INT4}_compile_int4"] = timed(
-            [*llmc, "compile", str(onnx), "-o", str(out / f"{LLMC_OPENVINO_INT4}-int4.plan"), "--backend", "openvino",
-             *options, "--weights", "int4", "--force"], f"llmc compile {LLMC_OPENVINO_INT4} --weights int4", errors)
+    for system, (options, _) in LLMC_OPENVINO.items() if "int4" in precisions else ():
+        seconds[f"{system}_compile_int4"] = timed(
+            [*llmc, "compile", str(onnx), "-o", str(out / f"{system}-int4.plan"), "--backend", "openvino",
+             *options, "--weights", "int4", "--force"], f"llmc compile {system} --weights int4", errors)
     shutil.rmtree(out / "genai-cache", ignore_errors=True)
     paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan", "int4-sym": out / "int4-sym.plan"},
              **{system: {"fp32": out / f"{system}.plan",
-                         **({"int4": out / f"{system}-int4.plan"} if system == LLMC_OPENVINO_INT4 else {})}
+                         "int4": out / f"{system}-int4.plan"}
                 for system in LLMC_OPENVINO},
              "genai": {"fp32": out / "genai-fp32", "int4": out / "genai-int4", "int4-sym": out / "genai-int4"}}
     built = {p: p in precisions and paths["llmc"][p].is_file() and (paths["genai"][p] / "genai_config.json").is_file()

@@ -238,8 +238,9 @@ def render_llmc_openvino(result: Result) -> list[str]:
                   for name in systems]
         rows.append(cells)
     return ["", "llmc's OpenVINO backend (`llmc compile --backend openvino`, with and without `--bf16`) against "
-            "OpenVINO GenAI with the same compute precision, same run. The int4 rows: `--bf16 --weights int4 "
-            "--force` (llmc's default int4: asymmetric, groups of 32, int8 lm_head) against OpenVINO GenAI's int4. "
+            "OpenVINO GenAI with the same compute precision, same run. The int4 rows: `--weights int4 --force`, "
+            "with and without `--bf16` (llmc's default int4: asymmetric, groups of 32, int8 lm_head), against "
+            "OpenVINO GenAI's int4 with the same compute precision. "
             "The machine limit is the fp32 one (int4's for the int4 rows): bf16 reads half the weight bytes and has "
             "twice the peak, so bf16 rows can pass it. \"runs' ÷\": the lowest and highest of the runs' own "
             "ratios, of which \"÷\" is the median.", ""] + table(header, rows)
