@@ -137,7 +137,7 @@ def weights_transposed(model, folder: Path, room: int | None = None) -> tuple[mm
     sizes = [int(np.prod(weight.get_output_shape(0))) * 4 for _, weight in products]
     needed = f"{sum(sizes) / 2**30:.1f} GiB"
     if room is not None and sum(sizes) > room:
-        return None, f"its weights need {needed} more memory, and {room / 2**30:.1f} GiB is spare"
+        return None, f"its weights take {needed}, more than the {room / 2**30:.1f} GiB of memory left for them"
     mapping = _scratch_mapping(sum(sizes), folder)
     if mapping is None:
         return None, f"its weights need {needed} of disk, which neither {folder} nor {tempfile.gettempdir()} has"
