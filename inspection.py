@@ -58,11 +58,12 @@ class EngineInspection:
                  f"kv cache      {kv_cache_summary(manifest)}"]
         if manifest["backend"] == "openvino":  # the precision this machine gives it, picked at load
             from llmc.formats.manifest import parse_manifest
-            from llmc.runtime.backends.openvino import compute_precision, small_steps_model
+            from llmc.runtime.backends.openvino import compute_precision, decode_model, weight_only
 
-            precision, why = compute_precision(parse_manifest(manifest, str(self.path)))
+            parsed = parse_manifest(manifest, str(self.path))
+            precision, why = compute_precision(parsed)
             lines.append(f"compute       {why}")
-            lines.append(f"decode        {small_steps_model(precision)[1]}")
+            lines.append(f"decode        {decode_model(precision, weight_only(parsed))[1]}")
         if manifest.get("tensorrt"):
             t = manifest["tensorrt"]
             portable = [kind for kind in ("hardware", "version") if t[f"{kind}_compatible"]]

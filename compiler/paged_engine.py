@@ -86,7 +86,7 @@ def plan_pool(options: PagedOptions, interface: DecoderInterface) -> dict:
     if options.kv_pool_mb is None:
         num_blocks = min(options.max_batch, POOL_SEQUENCES) * -(-max_seq_len // options.block_size)
     else:
-        num_blocks = blocks_in(options.kv_pool_mb, g, options.block_size, kv_dtype, max_seq_len, "--kv-pool-mb")
+        num_blocks = blocks_in(options.kv_pool_mb, block_bytes, options.block_size, max_seq_len, "--kv-pool-mb")
     return {**asdict(options), "kv_dtype": kv_dtype, "max_seq_len": max_seq_len, "num_blocks": num_blocks,
             "pool_mb": round(num_blocks * block_bytes / 2**20, 3), "window": reusable_window(interface.windows)}
 

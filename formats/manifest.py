@@ -182,11 +182,11 @@ def kv_block_bytes(geometry: Geometry, block_size: int, kv_dtype: str) -> int:
     return 2 * geometry.num_layers * geometry.num_kv_heads * block_size * geometry.head_dim * itemsize
 
 
-def blocks_in(pool_mb: float, geometry: Geometry, block_size: int, kv_dtype: str, max_seq_len: int,
-              option: str) -> int:
-    """Blocks a pool of `pool_mb` MiB holds; raises LlmcError naming `option` when that is fewer
-    than one sequence of max_seq_len tokens needs. Shared by compile (--kv-pool-mb) and load."""
-    blocks = int(pool_mb * 2**20 // kv_block_bytes(geometry, block_size, kv_dtype))
+def blocks_in(pool_mb: float, block_bytes: int, block_size: int, max_seq_len: int, option: str) -> int:
+    """Blocks of `block_bytes` a pool of `pool_mb` MiB holds; raises LlmcError naming `option` when
+    that is fewer than one sequence of max_seq_len tokens needs. Shared by compile (--kv-pool-mb)
+    and load."""
+    blocks = int(pool_mb * 2**20 // block_bytes)
     per_sequence = -(-max_seq_len // block_size)
     if blocks < per_sequence:
         raise LlmcError(f"{option}: {pool_mb} MiB holds {blocks} blocks of {block_size} tokens, fewer than "

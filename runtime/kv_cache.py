@@ -52,7 +52,7 @@ MEMORY_FRACTION = 0.5
 
 
 def pool_blocks(paged, geometry, kv_pool_mb: float | None = None, available: int | None = None,
-                dtype: str | None = None) -> int:
+                block_bytes: int | None = None) -> int:
     """Blocks in the KV pool.
 
     Args:
@@ -61,20 +61,20 @@ def pool_blocks(paged, geometry, kv_pool_mb: float | None = None, available: int
         kv_pool_mb: the pool asked for at load, in MiB; None keeps the compiled one when
             `llmc compile --kv-pool-mb` set it, or else sizes the default by `available`.
         available: bytes of memory available now; None reads it from the system.
-        dtype: the type the pool is stored in; None: the manifest's kv_dtype.
+        block_bytes: bytes a block takes in every layer, as the pool stores it; None: in the
+            manifest's kv_dtype.
     """
-    dtype = dtype or paged.kv_dtype
+    block_bytes = block_bytes or kv_block_bytes(geometry, paged.block_size, paged.kv_dtype)
     if kv_pool_mb is not None:
         if not kv_pool_mb > 0:
             raise LlmcError(f"kv_pool_mb: must be > 0, got {kv_pool_mb}")
-        return blocks_in(kv_pool_mb, geometry, paged.block_size, dtype, paged.max_seq_len, "kv_pool_mb")
+        return blocks_in(kv_pool_mb, block_bytes, paged.block_size, paged.max_seq_len, "kv_pool_mb")
     if paged.kv_pool_mb is not None:
         return paged.num_blocks
     available = available_memory() if available is None else available
     if available is None:
         return paged.num_blocks
     per_sequence = -(-paged.max_seq_len // paged.block_size)
-    block_bytes = kv_block_bytes(geometry, paged.block_size, dtype)
     return max(per_sequence, min(paged.num_blocks, int(MEMORY_FRACTION * available // block_bytes)))
 
 
@@ -120,27 +120,38 @@ class KvCache:
         available: bytes of the device's memory available now; None reads the system's.
         max_blocks: the most blocks the backend's step can address (TensorRT: its profile's).
         dtype: the type the pool is stored in; None: the manifest's kv_dtype.
+        block_shapes: the shapes of one layer's key block and value block where the backend
+            stores them in a layout of its own (`PoolPlacement.block_shapes`); None: both
+            [kv heads, block size, head dim].
     """
 
     def __init__(self, manifest: Manifest, kv_pool_mb: float | None = None, *,
                  allocate: Callable[[tuple[int, ...], str], Any] = allocate_pool,
-                 available: int | None = None, max_blocks: int | None = None, dtype: str | None = None):
+                 available: int | None = None, max_blocks: int | None = None, dtype: str | None = None,
+                 block_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None):
         paged, geometry = manifest.paged, manifest.geometry
         dtype = dtype or paged.kv_dtype
-        blocks = pool_blocks(paged, geometry, kv_pool_mb, available, dtype)
+        layers = geometry.num_layers
+        shapes = block_shapes or ((geometry.num_kv_heads, paged.block_size, geometry.head_dim),) * 2
+        block_bytes = layers * sum(int(np.prod(shape)) for shape in shapes) * np.dtype(dtype).itemsize
+        blocks = pool_blocks(paged, geometry, kv_pool_mb, available, block_bytes)
         self.num_blocks = blocks if max_blocks is None else min(blocks, max_blocks)
         self.block_size = paged.block_size
-        # Every layer's keys and values in one array, [layer and part, block, kv head, slot, head dim]:
-        # storing a step, or copying a block, is one operation instead of one a layer.
-        self.pool = allocate((2 * geometry.num_layers, self.num_blocks, geometry.num_kv_heads, paged.block_size,
-                              geometry.head_dim), dtype)
+        if block_shapes is None:
+            # Every layer's keys and values in one array, [layer and part, block, kv head, slot, head dim]:
+            # storing a step, or copying a block, is one operation instead of one a layer.
+            self.pool = allocate((2 * layers, self.num_blocks, *shapes[0]), dtype)
+            self.parts = (self.pool[0::2], self.pool[1::2])
+        else:  # keys and values of different shapes: an array each, [layer, block, ...]
+            self.pool = None
+            self.parts = tuple(allocate((layers, self.num_blocks, *shape), dtype) for shape in shapes)
         self.blocks = BlockManager(self.num_blocks, paged.block_size, paged.window)
         self.rows: RowCache | None = None
 
     def layer_pools(self) -> dict[str, Any]:
-        """Each layer's key and value pool by its graph input name (views of `pool`)."""
-        return {f"{part}_cache.{layer}": self.pool[2 * layer + i]
-                for layer in range(len(self.pool) // 2) for i, part in enumerate(("key", "value"))}
+        """Each layer's key and value pool by its graph input name (views of `parts`)."""
+        return {f"{part}_cache.{layer}": self.parts[i][layer]
+                for layer in range(len(self.parts[0])) for i, part in enumerate(("key", "value"))}
 
     def mirror_rows(self, capacity: int, max_rows: int, eager: bool) -> RowCache:
         """The contiguous rows a whole graph runs on (see `RowCache`), owned here."""
@@ -166,7 +177,8 @@ class KvCache:
         self.synced()
         self.wrote(np.array([dst for _, dst in pairs]))
         for src, dst in pairs:
-            self.pool[:, dst] = self.pool[:, src]
+            for part in self.parts:
+                part[:, dst] = part[:, src]
 
     def keep(self, sequence: int, length: int) -> None:
         """Of the last step's `sequence` (its index in the step), only the first `length` positions

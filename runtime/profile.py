@@ -262,7 +262,7 @@ def breakdown(engine, start: int, end: int, *, bounds: bool = True, threads: int
     weights = roofline.graph_weights(engine_file)
     weight_bytes, params = roofline.model_weights(weights)
     head_params = roofline.head_parameters(weights, engine_file.manifest.geometry.vocab_size)
-    kv_bytes = engine.kv.pool.dtype.itemsize
+    kv_bytes = engine.kv.parts[0].dtype.itemsize
 
     def step_cost(step: Span):
         return roofline.step_cost(weight_bytes, engine_file.manifest.geometry, step.args["tokens"],

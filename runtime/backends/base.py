@@ -67,12 +67,16 @@ class PoolPlacement:
         dtype: the type the pool is stored in, where the backend keeps it in another than the
             manifest's kv_dtype (OpenVINO keeps a bf16-compute cache in bf16, as uint16); the
             pool's blocks are counted in it. None: the manifest's.
+        block_shapes: the shapes of one layer's key block and value block where the backend
+            keeps them in a layout of its own (OpenVINO's u8 cache holds each block's scales and
+            zero points in it); None: both [kv heads, block size, head dim].
     """
 
     allocate: Callable[[tuple[int, ...], str], Any] = allocate_pool
     available: int | None = None
     max_blocks: int | None = None
     dtype: str | None = None
+    block_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 @runtime_checkable

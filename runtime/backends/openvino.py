@@ -31,11 +31,26 @@ load: SmolLM2-135M 1.1 GB against 0.7, a 1B Llama 7.5 GB against 4.1), so it is 
 the memory available leaves room for it (`SECOND_MODEL_ROOM`), with a warning where it does not,
 and not at all where `BackendOptions.decode_model` is off.
 
+An engine whose linear layers are all weight-only quantized (`--weights int4` or int8) gets a
+decode model on the same CPUs of another kind (`F32_DECODES`): the same graph compiled at f32, where
+the CPU plugin decodes such products faster than at bf16, while prompts stay on the bf16 model,
+faster there. The two models share the pool in the one cache type OpenVINO 2026.4 keeps under both
+precisions, u8, in the plugin's layout: a key block [kv heads, block + 8, head dim] (each channel's
+scale and zero point, two float32s, in the 8 rows after the block's tokens) and a value block
+[kv heads, block, head dim + 8] (each token's after its row), so the pool holds keys and values in
+arrays of their own (`PoolPlacement.block_shapes`), 0.59x a bf16 pool's bytes a block. Measured
+on the 2-core Xeon with AMX, against the same engine on its one bf16 model, alternated in one
+process (3-4 pairs): a decode step of one sequence 0.69x the time (SmolLM2-135M int4), 0.64x (a 1B
+Llama int4), 0.85x (SmolLM2-135M int8); of 16 sequences 0.79x, 0.69x, 0.85x; prompts of 128 and
+1,024 tokens (512 at 1B) level (0.95-1.01x). Its second copy of the quantized weights is loaded where the
+memory available holds three times the engine file.
+
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
-f32. The pool is kept in the compute precision (bf16 stored as uint16), or in float16 for an
-engine compiled with `--kv-cache-dtype fp16` (the cache OpenVINO GenAI's exported models ask for):
-half an f32 pool's bytes. The plugin's block size is 32, which `--backend openvino` compiles with.
+f32. The pool is kept in the compute precision (bf16 stored as uint16), in u8 for the f32 decode
+model and its bf16 prompt model, or in float16 for an engine compiled with `--kv-cache-dtype fp16`
+(the cache OpenVINO GenAI's exported models ask for): half an f32 pool's bytes. The plugin's
+block size is 32, which `--backend openvino` compiles with.
 
 Measured on SmolLM2-135M, 2 cores of an AMD EPYC with avx512_bf16, ms a step against the
 onnxruntime backend in the same run (bench/openvino_paged_probe.py): bf16 0.60-0.70x at batch 1,
@@ -69,12 +84,14 @@ log = logging.getLogger(__name__)
 
 GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own inputs
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
-# The largest step the fused-MLP model runs (`small_steps_model`): a decode of up to 16 sequences
+# The largest step a decode model runs (`decode_model`): a decode of up to 16 sequences
 # (measured faster at 1 and 16, slower at 32 and 64: see above).
 SMALL_STEP_TOKENS = 16
 AMX_FLAGS = ("amx_bf16", "amx_tile")  # what OpenVINO's CPU plugin needs for its fused MLP
 # The pool's NumPy element type for each OpenVINO cache type (NumPy has no bf16: its bits as uint16).
-POOL_STORAGE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32}
+POOL_STORAGE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "u8": np.uint8}
+WEIGHT_ONLY = frozenset({"int4", "int8-weights"})  # the manifest's names of weight-only quantized linears
+FUSED_MLP, F32_DECODES = "fused MLP", "f32"  # the kinds of decode model (`decode_model`)
 # The second model is built where the memory available once the first is compiled holds this many
 # times its weights' float32 bytes: it took 0.8x those bytes resident (repacked weights and buffers;
 # SmolLM2-135M 0.4 GB for 0.5, a 1B Llama 3.4 GB for 4.4), and the KV pool's default size is a share
@@ -94,20 +111,35 @@ def compute_precision(manifest, flags: frozenset[str] | None = None) -> tuple[st
     return "f32", "fp32 compute: compiled with --bf16, but this CPU has neither avx512_bf16 nor AMX"
 
 
-def small_steps_model(precision: str, flags: frozenset[str] | None = None, threads: int | None = None) -> tuple[bool, str]:
-    """(used, why): whether decode steps run on a second model with OpenVINO's fused MLP (AMX
-    under bf16 compute, 2 threads or more: OpenVINO 2026.4 fails compiling it for one thread with
-    a floating-point exception); `why` in words for `llmc inspect`. `threads` None: not known yet."""
+def weight_only(manifest) -> bool:
+    """Whether every linear layer of the engine keeps its weights quantized (`--weights int4` or
+    int8): products that OpenVINO's CPU plugin computes faster at f32 on a decode."""
+    linears = (manifest.precision or {}).get("linears") or {}
+    return bool(linears) and set(linears.values()) <= WEIGHT_ONLY
+
+
+def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None = None,
+                 threads: int | None = None) -> tuple[str | None, str]:
+    """(kind, why): which second model decode steps run on, `FUSED_MLP`, `F32_DECODES` or None
+    (one model for every step); `why` in words for `llmc inspect`. Both need bf16 compute and AMX
+    (where they were measured faster). The fused MLP needs float weights and 2 threads or more
+    (OpenVINO 2026.4 fails compiling it for one thread with a floating-point exception); weight-only
+    quantized products decode faster at f32 (`quantized`). `threads` None: not known yet."""
     flags = cpu_flags() if flags is None else flags
     if precision != "bf16":
-        return False, "one model for every step (the fused MLP needs bf16 compute)"
+        return None, "one model for every step (a decode model needs bf16 compute)"
     if not set(AMX_FLAGS) <= flags:
-        return False, "one model for every step (the fused MLP needs AMX)"
+        return None, "one model for every step (a decode model needs AMX)"
+    if quantized:
+        return F32_DECODES, (f"steps of up to {SMALL_STEP_TOKENS} tokens on a second model computing in f32 "
+                             "(weight-only quantized products decode faster in it), over a u8 KV cache both "
+                             "models share, where memory holds three times the engine file at load; off with "
+                             "--no-decode-model; prompts on the first, in bf16")
     if threads is not None and threads < 2:
-        return False, "one model for every step (the fused MLP needs 2 threads or more)"
-    return True, (f"steps of up to {SMALL_STEP_TOKENS} tokens on a second model with OpenVINO's fused "
-                  "MLP (this CPU has AMX; with 2 threads or more, where memory and disk hold twice and "
-                  "once its weights' float32 bytes at load; off with --no-decode-model); prompts on the first")
+        return None, "one model for every step (the fused MLP needs 2 threads or more)"
+    return FUSED_MLP, (f"steps of up to {SMALL_STEP_TOKENS} tokens on a second model with OpenVINO's fused "
+                       "MLP (this CPU has AMX; with 2 threads or more, where memory and disk hold twice and "
+                       "once its weights' float32 bytes at load; off with --no-decode-model); prompts on the first")
 
 
 def weights_transposed(model, folder: Path, room: int | None = None) -> tuple[mmap.mmap | None, str | None]:
@@ -246,6 +278,12 @@ def paged_model(engine: EngineFile):
     return ov.Model([logits], [params[n] for n in order], "llmc_paged")
 
 
+def cache_block_shapes(compiled) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of one layer's key block and value block in `compiled`'s cache inputs."""
+    shapes = {put.get_any_name(): put.get_partial_shape() for put in compiled.inputs}
+    return tuple(tuple(d.get_length() for d in shapes[f"{part}_cache.0"][1:]) for part in ("key", "value"))
+
+
 def _reason(error: RuntimeError) -> str:
     """An OpenVINO error's last line: its message (the lines above it name source locations)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -339,7 +377,7 @@ def release_file_pages(path: Path) -> None:
 
 
 class OpenVinoBackend:
-    """One compiled OpenVINO model for every step (two where `small_steps_model` says so), over
+    """One compiled OpenVINO model for every step (two where `decode_model` says so), over
     the engine's KV pool.
 
     Args:
@@ -363,9 +401,14 @@ class OpenVinoBackend:
             raise LlmcError(f"{engine.path}: block size {paged.block_size}; OpenVINO's CPU paged attention keeps "
                             f"blocks of {BLOCK_SIZE} (recompile with --backend openvino)")
         self.precision, _ = compute_precision(manifest)
-        # Under bf16 compute OpenVINO keeps the cache in bf16 whatever it is asked; under f32, in the
-        # engine's type (float16 with --kv-cache-dtype fp16, or from a float16 export).
-        cache = "bf16" if self.precision == "bf16" else "f16" if paged.kv_dtype == "float16" else "f32"
+        kind = decode_model(self.precision, weight_only(manifest))[0] if options.decode_model else None
+        if kind == F32_DECODES:
+            kind = self._room_for_f32_decodes(engine)
+        # Under bf16 compute OpenVINO keeps the cache in bf16 whatever it is asked, except u8, which it
+        # also keeps under f32, in the same layout: the cache a bf16 and an f32 model share. Under f32
+        # alone, in the engine's type (float16 with --kv-cache-dtype fp16, or from a float16 export).
+        cache = ("u8" if kind == F32_DECODES else "bf16" if self.precision == "bf16"
+                 else "f16" if paged.kv_dtype == "float16" else "f32")
         self.cache_type = getattr(ov.Type, cache)
         config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": self.precision,
                   "KV_CACHE_PRECISION": cache}
@@ -378,27 +421,53 @@ class OpenVinoBackend:
         if given != {self.cache_type}:  # a pool of another type would be read as garbage
             raise LlmcError(f"{engine.path}: OpenVINO gave the KV cache {', '.join(map(str, given))}, not {cache}")
         self.request = compiled.create_infer_request()
-        # compile_model compiles a copy: the graph can be rewritten for the second model.
-        use_small, _ = small_steps_model(self.precision, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
-        # The second model reads its weights from this mapping for as long as it lives. Built only
-        # where it leaves room (`SECOND_MODEL_ROOM`): a model that fits once must still load.
-        self.transposed_weights = None
-        if use_small and options.decode_model:
-            available = available_memory()
-            room = None if available is None else available // SECOND_MODEL_ROOM
-            self.transposed_weights, short = weights_transposed(model, engine.path.parent, room)
-            if short:
-                log.warning("%s: decodes run on the prompt model, without OpenVINO's fused MLP: %s", engine.path, short)
-        self.small_request = (None if self.transposed_weights is None
-                              else _compiled(core, model, config, engine).create_infer_request())
+        self.transposed_weights = None  # the fused MLP's weights, for as long as its model lives
+        second = self._decode_model(kind, core, model, config, compiled, engine)
+        self.small_request = None if second is None else second.create_infer_request()
         del model
         release_file_pages(engine.path)
         if self.transposed_weights is not None:
             self.transposed_weights.madvise(mmap.MADV_DONTNEED)
         self.timeline = options.timeline
         self.block_size = paged.block_size
-        self.placement = PoolPlacement(dtype=np.dtype(POOL_STORAGE[cache]).name)
+        # A u8 block holds its scales and zero points (keys' by channel, values' by token): its own shapes.
+        self.placement = PoolPlacement(dtype=np.dtype(POOL_STORAGE[cache]).name,
+                                       block_shapes=cache_block_shapes(compiled) if cache == "u8" else None)
         self.kv: KvCache | None = None
+
+    def _decode_model(self, kind: str | None, core, model, config: dict, compiled, engine: EngineFile):
+        """The decode model of `kind` (`decode_model`) compiled beside `compiled`, or None where
+        the threads, the memory or the disk leave no room for it (with a warning for the last two).
+        compile_model compiled a copy of `model`: it may be rewritten here."""
+        if kind == FUSED_MLP:
+            kind, _ = decode_model(self.precision, False, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
+        if kind == F32_DECODES:
+            second = _compiled(core, model, {**config, "INFERENCE_PRECISION_HINT": "f32"}, engine)
+            if cache_block_shapes(second) != cache_block_shapes(compiled):
+                raise LlmcError(f"{engine.path}: OpenVINO lays out a u8 KV cache differently at f32 "
+                                f"({cache_block_shapes(second)}) and bf16 ({cache_block_shapes(compiled)}); "
+                                "load it with decode_model off (--no-decode-model)")
+            return second
+        if kind != FUSED_MLP:
+            return None
+        # Built only where it leaves room (`SECOND_MODEL_ROOM`): a model that fits once must still load.
+        available = available_memory()
+        room = None if available is None else available // SECOND_MODEL_ROOM
+        self.transposed_weights, short = weights_transposed(model, engine.path.parent, room)
+        if short:
+            log.warning("%s: decodes run on the prompt model, without OpenVINO's fused MLP: %s", engine.path, short)
+        return None if self.transposed_weights is None else _compiled(core, model, config, engine)
+
+    @staticmethod
+    def _room_for_f32_decodes(engine: EngineFile) -> str | None:
+        """`F32_DECODES` where the memory available holds three times the engine file (two compiled
+        models of its weights, and room for the pool), else None, with a warning."""
+        available, size = available_memory(), engine.path.stat().st_size
+        if available is None or 3 * size <= available:
+            return F32_DECODES
+        log.warning("%s: decodes run on the prompt model, in bf16: the %.1f GiB of memory available hold less than "
+                    "three times the engine file's %.1f GiB", engine.path, available / 2**30, size / 2**30)
+        return None
 
     def attach(self, kv: KvCache) -> None:
         import openvino as ov
@@ -463,4 +532,4 @@ def deploy_checks(manifest, record) -> None:
     """The compute precision this machine gives the engine, and whether its decodes get a model of their own."""
     precision, why = compute_precision(manifest)
     record("compute precision", True, why)
-    record("decode model", True, small_steps_model(precision)[1])
+    record("decode model", True, decode_model(precision, weight_only(manifest))[1])

@@ -80,7 +80,7 @@ def attach_cache(backend: Backend, engine: EngineFile, kv_pool_mb: float | None 
     """A KV cache where `backend` places it, sized now (its weights loaded), attached to it."""
     placement = backend.placement
     kv = KvCache(engine.manifest, kv_pool_mb, allocate=placement.allocate, available=placement.available,
-                 max_blocks=placement.max_blocks, dtype=placement.dtype)
+                 max_blocks=placement.max_blocks, dtype=placement.dtype, block_shapes=placement.block_shapes)
     backend.attach(kv)
     return kv
 
