@@ -240,7 +240,8 @@ def render_llmc_openvino(result: Result) -> list[str]:
     return ["", "llmc's OpenVINO backend (`llmc compile --backend openvino`, with and without `--bf16`) against "
             "OpenVINO GenAI with the same compute precision, same run. The int4 rows: `--weights int4 --force`, "
             "with and without `--bf16` (llmc's default int4: asymmetric, groups of 32, int8 lm_head), against "
-            "OpenVINO GenAI's int4 with the same compute precision. "
+            "OpenVINO GenAI's int4 with the same compute precision; with `--bf16` on a CPU with AMX, llmc's int4 "
+            "runs prompts in bf16 and decodes on a second model in f32 (docs/running.md). "
             "The machine limit is the fp32 one (int4's for the int4 rows): bf16 reads half the weight bytes and has "
             "twice the peak, so bf16 rows can pass it. \"runs' ÷\": the lowest and highest of the runs' own "
             "ratios, of which \"÷\" is the median.", ""] + table(header, rows)
@@ -586,13 +587,16 @@ def headline(results_dir: Path) -> list[list[str]]:
                 add(label, row.get("llmc"), row.get("genai"), ratio_=row.get("ratio"))
         # The OpenVINO backend in bf16 against the fastest CPU peer with its defaults (bf16 compute
         # where the CPU has it), one token a step on both sides.
-        for key, label in (("plain_decode_tok_s", "Decode, batch 1, one token a step, SmolLM2 bf16, `--backend openvino` "
-                                                  "(tok/s)"),
-                           ("batch_decode_tok_s", f"Decode, batch {sizes['batch']}, SmolLM2 bf16, `--backend openvino` "
-                                                  "(tok/s)"),
-                           ("ttft_long_ms", f"Time to first token, {sizes['long_prompt']:,}-token prompt, SmolLM2 bf16, "
-                                            "`--backend openvino` (ms)")):
-            row = entries.get((key, "fp32"))
+        for key, precision, label in (
+                ("plain_decode_tok_s", "fp32", "Decode, batch 1, one token a step, SmolLM2 bf16, `--backend openvino` "
+                                               "(tok/s)"),
+                ("plain_decode_tok_s", "int4", "Decode, batch 1, one token a step, SmolLM2 int4 bf16, "
+                                               "`--backend openvino` (tok/s)"),
+                ("batch_decode_tok_s", "fp32", f"Decode, batch {sizes['batch']}, SmolLM2 bf16, `--backend openvino` "
+                                               "(tok/s)"),
+                ("ttft_long_ms", "fp32", f"Time to first token, {sizes['long_prompt']:,}-token prompt, SmolLM2 bf16, "
+                                         "`--backend openvino` (ms)")):
+            row = entries.get((key, precision))
             if row and row.get("llmc-openvino") is not None:
                 add(label, row["llmc-openvino"], ratio_=row.get("ratio_llmc-openvino"), openvino=row.get("openvino"))
     path = results_dir / "serving.json"
