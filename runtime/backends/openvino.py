@@ -18,7 +18,7 @@ views are bound to the infer request once, and OpenVINO reads and writes them in
 block tables, the scheduler, the prefix cache and copy-on-write. The op stores the step's keys
 and values itself, at the slots the block tables give the new tokens.
 
-On a CPU with AMX, under bf16 compute, steps of up to `SMALL_STEP_TOKENS` tokens (decodes) run on
+On a CPU with AMX, under bf16 compute, steps of up to 16 tokens (decodes) run on
 a second compiled model of the same graph whose products take their weights transposed
 (`weights_transposed`), the form in which the CPU plugin fuses each gate/up/down MLP into one
 AMX kernel (LLMMLP; its pass runs only with AMX and bf16). That kernel decodes faster and
@@ -32,17 +32,18 @@ the memory available leaves room for it (`SECOND_MODEL_ROOM`), with a warning wh
 and not at all where `BackendOptions.decode_model` is off.
 
 An engine whose linear layers are all weight-only quantized (`--weights int4` or int8) gets a
-decode model on the same CPUs of another kind (`F32_DECODES`): the same graph compiled at f32, where
-the CPU plugin decodes such products faster than at bf16, while prompts stay on the bf16 model,
-faster there. The two models share the pool in the one cache type OpenVINO 2026.4 keeps under both
-precisions, u8, in the plugin's layout: a key block [kv heads, block + 8, head dim] (each channel's
-scale and zero point, two float32s, in the 8 rows after the block's tokens) and a value block
-[kv heads, block, head dim + 8] (each token's after its row), so the pool holds keys and values in
-arrays of their own (`PoolPlacement.block_shapes`), 0.59x a bf16 pool's bytes a block. Measured
-on the 2-core Xeon with AMX, against the same engine on its one bf16 model, alternated in one
-process (3-4 pairs): a decode step of one sequence 0.69x the time (SmolLM2-135M int4), 0.64x (a 1B
-Llama int4), 0.85x (SmolLM2-135M int8); of 16 sequences 0.79x, 0.69x, 0.85x; prompts of 128 and
-1,024 tokens (512 at 1B) level (0.95-1.01x). The u8 cache costs more to read than a bf16 one as the
+decode model on the same CPUs of another kind (`F32_DECODES`): the same graph compiled at f32, for
+steps of up to 32 tokens, where the CPU plugin decodes such products faster than at bf16, while
+prompts stay on the bf16 model, faster there. The two models share the pool in the one cache type
+OpenVINO 2026.4 keeps under both precisions, u8, in the plugin's layout: a key block [kv heads,
+block + 8, head dim] (each channel's scale and zero point, two float32s, in the 8 rows after the
+block's tokens) and a value block [kv heads, block, head dim + 8] (each token's after its row), so
+the pool holds keys and values in arrays of their own (`PoolPlacement.block_shapes`), 0.59x a
+bf16 pool's bytes a block. Measured on the 2-core Xeon with AMX, against the same engine on its one
+bf16 model, alternated in one process (3-4 pairs): a decode step of one sequence 0.69x the time
+(SmolLM2-135M int4), 0.64x (a 1B Llama int4), 0.85x (SmolLM2-135M int8); of 16 sequences 0.79x,
+0.69x, 0.85x; of 32, 0.93x and 0.78x (int4); prompts of 128 and 1,024 tokens (512 at 1B) level
+(0.95-1.01x). The u8 cache costs more to read than a bf16 one as the
 context grows (a float bf16 engine on u8 decoded 16 sequences of 512 tokens in 1.22x the time), so
 the gain shrinks with it: SmolLM2-135M int4 decodes one sequence at 2,048 tokens in 0.86x the time
 and 16 at 512 level (0.99x), and a 2,048-token prompt takes 1.06x. Accuracy, teacher-forced on
@@ -90,14 +91,15 @@ log = logging.getLogger(__name__)
 
 GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own inputs
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
-# The largest step a decode model runs (`decode_model`): a decode of up to 16 sequences
-# (measured faster at 1 and 16, slower at 32 and 64: see above).
-SMALL_STEP_TOKENS = 16
+FUSED_MLP, F32_DECODES = "fused MLP", "f32"  # the kinds of decode model (`decode_model`)
+# The largest step each decode model runs, by where it was measured faster than the prompt model
+# (see above): the fused MLP at 1 and 16 tokens, not at 32 or 64; f32 at 1-32 tokens (a 1B Llama
+# int4: 0.66x, 0.65x, 0.78x the time at 1, 16, 32), level at 48, slower at 64.
+DECODE_STEP_TOKENS = {FUSED_MLP: 16, F32_DECODES: 32}
 AMX_FLAGS = ("amx_bf16", "amx_tile")  # what OpenVINO's CPU plugin needs for its fused MLP
 # The pool's NumPy element type for each OpenVINO cache type (NumPy has no bf16: its bits as uint16).
 POOL_STORAGE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "u8": np.uint8}
 WEIGHT_ONLY = frozenset({"int4", "int8-weights"})  # the manifest's names of weight-only quantized linears
-FUSED_MLP, F32_DECODES = "fused MLP", "f32"  # the kinds of decode model (`decode_model`)
 # The second model is built where the memory available once the first is compiled holds this many
 # times its weights' float32 bytes: it took 0.8x those bytes resident (repacked weights and buffers;
 # SmolLM2-135M 0.4 GB for 0.5, a 1B Llama 3.4 GB for 4.4), and the KV pool's default size is a share
@@ -137,14 +139,14 @@ def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None =
     if not set(AMX_FLAGS) <= flags:
         return None, "one model for every step (a decode model needs AMX)"
     if quantized:
-        return F32_DECODES, (f"steps of up to {SMALL_STEP_TOKENS} tokens on a second model computing in f32 "
-                             "(weight-only quantized products decode faster in it), over a u8 KV cache both "
+        return F32_DECODES, (f"steps of up to {DECODE_STEP_TOKENS[F32_DECODES]} tokens on a second model computing "
+                             "in f32 (weight-only quantized products decode faster in it), over a u8 KV cache both "
                              "models share, where memory holds three times the engine file at load; off with "
                              "--no-decode-model; prompts on the first, in bf16")
     if threads is not None and threads < 2:
         return None, "one model for every step (the fused MLP needs 2 threads or more)"
-    return FUSED_MLP, (f"steps of up to {SMALL_STEP_TOKENS} tokens on a second model with OpenVINO's fused "
-                       "MLP (this CPU has AMX; with 2 threads or more, where memory and disk hold twice and "
+    return FUSED_MLP, (f"steps of up to {DECODE_STEP_TOKENS[FUSED_MLP]} tokens on a second model with OpenVINO's "
+                       "fused MLP (this CPU has AMX; with 2 threads or more, where memory and disk hold twice and "
                        "once its weights' float32 bytes at load; off with --no-decode-model); prompts on the first")
 
 
@@ -430,6 +432,7 @@ class OpenVinoBackend:
         self.transposed_weights = None  # the fused MLP's weights, for as long as its model lives
         second = self._decode_model(kind, core, model, config, compiled, engine)
         self.small_request = None if second is None else second.create_infer_request()
+        self.decode_step_tokens = DECODE_STEP_TOKENS.get(kind, 0)
         del model
         release_file_pages(engine.path)
         if self.transposed_weights is not None:
@@ -504,7 +507,7 @@ class OpenVinoBackend:
                 "max_context_len": np.array(total.max(), np.int32)}
 
     def run(self, plan: StepPlan) -> np.ndarray:
-        small = self.small_request is not None and len(plan.tokens) <= SMALL_STEP_TOKENS
+        small = self.small_request is not None and len(plan.tokens) <= self.decode_step_tokens
         return self._infer(self.small_request if small else self.request, plan)
 
     def _infer(self, request, plan: StepPlan) -> np.ndarray:

@@ -26,7 +26,7 @@ from llmc.plugins.paged_attention import PagedBatch
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.plan import PrecisionOptions
 from llmc.runtime.backends.base import BackendOptions
-from llmc.runtime.backends.openvino import (BLOCK_SIZE, F32_DECODES, FUSED_MLP, SMALL_STEP_TOKENS, compute_precision,
+from llmc.runtime.backends.openvino import (BLOCK_SIZE, DECODE_STEP_TOKENS, F32_DECODES, FUSED_MLP, compute_precision,
                                             decode_model, weight_only, weights_transposed)
 from llmc.runtime.backends.registry import open_backend
 from llmc.runtime.engine import Engine
@@ -332,7 +332,7 @@ def test_bf16_decodes_on_the_fused_mlp_model_stay_near_the_unmodified_graph(engi
     ran, infer = [], backend._infer
     backend._infer = lambda request, plan: ran.append(request) or infer(request, plan)
     fused = backend.run(decode)[0]
-    assert len(decode.tokens) <= SMALL_STEP_TOKENS and ran == [backend.small_request]
+    assert len(decode.tokens) <= DECODE_STEP_TOKENS[FUSED_MLP] and ran == [backend.small_request]
     plain = infer(backend.request, decode)[0]
     expected = reference(ids)[-1]
     for got in (fused, plain):
@@ -368,7 +368,7 @@ def test_int4_prompts_in_bf16_and_decodes_in_f32_share_a_u8_cache(engines, refer
 
     path = engines["int4-bf16"]
     assert weight_only(read_engine(path).manifest)
-    assert "decode        steps of up to 16 tokens on a second model computing in f32" in inspect(path).text()
+    assert "decode        steps of up to 32 tokens on a second model computing in f32" in inspect(path).text()
     backend = _backend(path)
     kv, geometry = backend.kv, read_engine(path).manifest.geometry
     heads, dim = geometry.num_kv_heads, geometry.head_dim
@@ -401,6 +401,11 @@ def test_int4_prompts_in_bf16_and_decodes_in_f32_share_a_u8_cache(engines, refer
     for got in (decoded, plain):
         assert np.abs(got - expected[-1]).mean() < 0.04 * expected.std()
     assert decoded.argmax() == plain.argmax() == expected[-1].argmax()
+    for tokens, model in ((DECODE_STEP_TOKENS[F32_DECODES], backend.small_request), (41, backend.request)):
+        ran.clear()
+        backend.run(StepPlan(PACKED, np.array(ids[:tokens]), np.arange(tokens),
+                             PagedBatch(np.arange(4, 6)[None], np.array([0]), np.array([0, tokens])), np.array([0])))
+        assert ran == [model]  # steps of up to 32 tokens on the f32 model, longer ones on the bf16 one
 
 
 @pytest.mark.skipif(not (BF16_ON_HERE and AMX_HERE), reason="the f32 decode model needs AMX and bf16")
