@@ -171,3 +171,32 @@ def test_a_pool_sized_at_load_overrides_the_engines(tiny_llama_engine):
         pool_blocks(manifest.paged, manifest.geometry, kv_pool_mb=31 * size / MiB)
     with pytest.raises(LlmcError, match="must be > 0"):
         pool_blocks(manifest.paged, manifest.geometry, kv_pool_mb=0)
+
+
+def test_a_pool_of_its_own_block_shapes_counts_their_bytes_and_copies_both_parts(tiny_llama_engine):
+    """A backend keeping keys and values in shapes of its own (OpenVINO's u8 cache: scales and zero
+    points inside each block): the MiB asked hold blocks of those shapes' bytes, each layer's pool
+    is a dense view of the right shape, and copy-on-write copies keys and values, nothing else."""
+    import numpy as np
+
+    from llmc.runtime.kv_cache import KvCache
+
+    manifest = read_engine(tiny_llama_engine).manifest
+    layers, heads = manifest.geometry.num_layers, manifest.geometry.num_kv_heads
+    key, value = (heads, 40, 64), (heads, 32, 72)
+    per_block = layers * (np.prod(key) + np.prod(value))  # uint8: a byte an element
+    kv = KvCache(manifest, 64 * per_block / MiB, dtype="uint8", block_shapes=(key, value))
+    assert kv.num_blocks == 64 and kv.pool is None
+    pools = kv.layer_pools()
+    assert len(pools) == 2 * layers
+    for name, view in pools.items():
+        assert view.shape == (64, *(key if name.startswith("key") else value)) and view.flags.c_contiguous
+    rng = np.random.default_rng(0)
+    for part in kv.parts:
+        part[:, 3] = rng.integers(1, 255, part[:, 3].shape)
+    before = [part.copy() for part in kv.parts]
+    kv.copy_blocks([(3, 7)])
+    for part, old in zip(kv.parts, before):
+        np.testing.assert_array_equal(part[:, 7], old[:, 3])
+        untouched = [b for b in range(64) if b != 7]
+        np.testing.assert_array_equal(part[:, untouched], old[:, untouched])
