@@ -49,7 +49,7 @@ the gain shrinks with it: SmolLM2-135M int4 decodes one sequence at 2,048 tokens
 and 16 at 512 level (0.99x), and a 2,048-token prompt takes 1.06x. Accuracy, teacher-forced on
 768 tokens of Python source each fed as a decode step (SmolLM2-135M int4): perplexity 10.91,
 against 10.83 on the one bf16 model with its bf16 cache and 10.85 at f32 with an f32 cache; u8 is
-also the cache OpenVINO's CPU plugin keeps by default (OpenVINO GenAI's). The second copy of the
+also the cache OpenVINO's CPU plugin keeps where a model names none. The second copy of the
 quantized weights is loaded where the memory available holds three times the engine file.
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
