@@ -211,7 +211,7 @@ def render_latency(result: Result) -> list[str]:
 
 # llmc's own OpenVINO backend (latency_bench's LLMC_OPENVINO): system -> (its label, the peer it faces)
 LLMC_OPENVINO = {"llmc-openvino": ("llmc --backend openvino --bf16", "openvino"),
-                 "llmc-openvino-f32": ("llmc --backend openvino", "openvino-f32")}
+                 "llmc-openvino-f32": ("llmc --backend openvino --kv-cache-dtype fp16", "openvino-f32")}
 
 
 def render_llmc_openvino(result: Result) -> list[str]:
@@ -290,8 +290,8 @@ def render_serving(result: Result) -> list[str]:
     alike = [f"{name} ÷ {peer}: {stored_ratio(ratios[f'{name}_vs_{peer}'])}" for name, (_, peer) in LLMC_OPENVINO.items()
              if f"{name}_vs_{peer}" in ratios]
     if alike:
-        lines += ["", "llmc's OpenVINO backend (llmc-openvino: `--backend openvino --bf16`; llmc-openvino-f32: without "
-                      "--bf16) against OpenVINO GenAI with the same compute precision: " + "; ".join(alike) + "."]
+        lines += ["", "llmc's OpenVINO backend (llmc-openvino: `--backend openvino --bf16`; llmc-openvino-f32: "
+                      "`--backend openvino --kv-cache-dtype fp16`) against OpenVINO GenAI with the same compute precision: " + "; ".join(alike) + "."]
     interference = result.get("interference", default=None)
     if interference:
         lines += ["", f"Interference: the short requests' p99 TTFT is {num(interference['ttft_ms_p99_alone'])} ms alone "

@@ -29,11 +29,13 @@ Useful output = the requested tokens; tokens a system generates past a request's
                   scheduler) on `optimum-cli export openvino`'s fp32 model, each request added
                   at its arrival (bench/openvino_peer.py: a venv and a worker process of its own);
                   its default precision: bf16 compute on CPUs with avx512_bf16 or AMX (the
-                  machine's AVX-512 and AMX flags are recorded), u8 KV cache
-  openvino-f32    the same with f32 compute (INFERENCE_PRECISION_HINT)
+                  machine's AVX-512 and AMX flags are recorded), the KV cache in bf16 (the model
+                  asks for f16, which the CPU plugin keeps as bf16 under bf16 compute)
+  openvino-f32    the same with f32 compute (INFERENCE_PRECISION_HINT), the KV cache in f16
   llmc-openvino   llmc's engine compiled with `--backend openvino --bf16` (bf16 compute where the
-                  CPU has it), and llmc-openvino-f32 without --bf16: llmc's scheduler and KV
-                  cache over one OpenVINO model a step; each set against OpenVINO GenAI's like
+                  CPU has it), and llmc-openvino-f32 with `--backend openvino --kv-cache-dtype fp16`
+                  (f32 compute, an f16 cache, as openvino-f32): llmc's scheduler and KV cache
+                  over one OpenVINO model a step; each set against OpenVINO GenAI's like
                   (a peer that cannot be installed or exported is recorded with the reason)
 
 llmc's first offline run is followed by the same workload again on an engine with the profiler on:
@@ -149,7 +151,8 @@ def build(checkpoint: Path, out: Path, cache: Path) -> dict[str, Any]:
     built["llmc_kv16_engine"] = out / "engine-kv16.plan"
     for name, (options, _) in LLMC_OPENVINO.items():
         with contextlib.redirect_stdout(sys.stderr):
-            compile_model(out / "model.onnx", out / f"{name}.plan", backend="openvino", bf16="--bf16" in options)
+            compile_model(out / "model.onnx", out / f"{name}.plan", backend="openvino", bf16="--bf16" in options,
+                          paged=PagedOptions(kv_dtype="float16" if "--kv-cache-dtype" in options else None))
         built[name] = out / f"{name}.plan"
     log(f"build: llmc engine in {built['llmc_build_s']} s: {manifest['paged']}")
     start = time.perf_counter()
