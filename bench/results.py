@@ -237,10 +237,11 @@ def render_llmc_openvino(result: Result) -> list[str]:
         cells += [f"{row[f'{name}_share_of_limit']:.0%}" if row.get(f"{name}_share_of_limit") is not None else "-"
                   for name in systems]
         rows.append(cells)
-    return ["", "llmc's OpenVINO backend (`llmc compile --backend openvino`, with and without `--bf16`) against "
-            "OpenVINO GenAI with the same compute precision, same run. The int4 rows: `--weights int4 --force`, "
-            "with and without `--bf16` (llmc's default int4: asymmetric, groups of 32, int8 lm_head), against "
-            "OpenVINO GenAI's int4 with the same compute precision; with `--bf16` on a CPU with AMX, llmc's int4 "
+    return ["", "llmc's OpenVINO backend (`llmc compile --backend openvino`, with `--bf16`, and without it with "
+            "`--kv-cache-dtype fp16`: the f16 KV cache OpenVINO GenAI keeps under f32 compute) against "
+            "OpenVINO GenAI with the same compute precision, same run. The int4 rows: the same options and "
+            "`--weights int4 --force` (llmc's default int4: asymmetric, groups of 32, int8 lm_head), against "
+            "OpenVINO GenAI's int4 with the same compute precision (whose cache is u8 under f32); with `--bf16` on a CPU with AMX, llmc's int4 "
             "runs prompts in bf16 and decodes on a second model in f32 (docs/running.md). "
             "The machine limit is the fp32 one (int4's for the int4 rows): bf16 reads half the weight bytes and has "
             "twice the peak, so bf16 rows can pass it. \"runs' ÷\": the lowest and highest of the runs' own "

@@ -432,7 +432,7 @@ def test_llmc_openvino_backend_rows_render_beside_openvino_genai(tree):
     assert run(tree) == 0
     section = output.read_text().split("## Latency")[1].split("\n## ")[0]
     assert ("| measure | llmc --backend openvino --bf16 | OpenVINO GenAI | ÷ | runs' ÷ | llmc --backend openvino "
-            "| OpenVINO GenAI f32 | ÷ | runs' ÷ | machine limit |") in section
+            "--kv-cache-dtype fp16 | OpenVINO GenAI f32 | ÷ | runs' ÷ | machine limit |") in section
     assert ("| decode, batch 1, fp32 (tok/s) | 60 | 64 | 0.97 | 0.90–1.05 | 48 | 46 | 1.02 | - | 70 (memory) "
             "| 86% | 69% |") in section
     assert section.count("| decode, static batch of 16") == 1  # rows it did not run are left out of its table
