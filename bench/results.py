@@ -241,8 +241,8 @@ def render_llmc_openvino(result: Result) -> list[str]:
             "`--kv-cache-dtype fp16`: the f16 KV cache OpenVINO GenAI keeps under f32 compute) against "
             "OpenVINO GenAI with the same compute precision, same run. The int4 rows: the same options and "
             "`--weights int4 --force` (llmc's default int4: asymmetric, groups of 32, int8 lm_head), against "
-            "OpenVINO GenAI's int4 with the same compute precision (whose cache is u8 under f32); with `--bf16` on a CPU with AMX, llmc's int4 "
-            "runs prompts in bf16 and decodes on a second model in f32 (docs/running.md). "
+            "OpenVINO GenAI's int4 with the same compute precision (whose cache is u8 under f32); with `--bf16` "
+            "on a CPU with AMX, llmc's int4 runs prompts in bf16 and decodes on a second model in f32 (docs/running.md). "
             "The machine limit is the fp32 one (int4's for the int4 rows): bf16 reads half the weight bytes and has "
             "twice the peak, so bf16 rows can pass it. \"runs' ÷\": the lowest and highest of the runs' own "
             "ratios, of which \"÷\" is the median.", ""] + table(header, rows)
@@ -292,7 +292,8 @@ def render_serving(result: Result) -> list[str]:
              if f"{name}_vs_{peer}" in ratios]
     if alike:
         lines += ["", "llmc's OpenVINO backend (llmc-openvino: `--backend openvino --bf16`; llmc-openvino-f32: "
-                      "`--backend openvino --kv-cache-dtype fp16`) against OpenVINO GenAI with the same compute precision: " + "; ".join(alike) + "."]
+                      "`--backend openvino --kv-cache-dtype fp16`) against OpenVINO GenAI with the same compute "
+                      "precision: " + "; ".join(alike) + "."]
     interference = result.get("interference", default=None)
     if interference:
         lines += ["", f"Interference: the short requests' p99 TTFT is {num(interference['ttft_ms_p99_alone'])} ms alone "
