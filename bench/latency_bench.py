@@ -519,6 +519,9 @@ def spawn(job: dict[str, Any]) -> dict[str, Any]:
 # --- building ---------------------------------------------------------------------------------
 
 
+LLMC = [sys.executable, "-m", "llmc.cli"]  # each build step runs as a user types it
+
+
 def timed(command: list[str], what: str, errors: dict[str, str]) -> float | None:
     """Seconds `command` took; None, with the error in `errors[what]`, when it failed (a result too)."""
     log(f"build: {what}")
@@ -540,7 +543,7 @@ def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS,
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    llmc = [sys.executable, "-m", "llmc.cli"]
+    llmc = LLMC
     onnx = out / "model.onnx"
     genai = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-e", "cpu",
              "-c", str(out / "genai-cache")]

@@ -13,7 +13,9 @@ Useful output = the requested tokens; tokens a system generates past a request's
 (padding to the batch's longest) are waste, not output.
 
   llmc            `llmc export` + `llmc compile` (default paged options: 64 seats), Engine offline:
-                  continuous batching, chunked prefill (runtime/bench.py drives it)
+                  continuous batching, chunked prefill (runtime/bench.py drives it); every llmc
+                  engine here is built by latency_bench's `build`, each step through llmc's
+                  command line with the options a user types
   hf-static       transformers `generate`, batches of 16 in arrival order, left padding, greedy,
                   max_new_tokens = min_new_tokens = the batch's longest requested output
   hf-single       transformers `generate`, one request at a time
@@ -45,7 +47,7 @@ where its time went per step kind (runtime/profile.py's breakdown), stored besid
 With `--model smollm2` or `--model llama-1b` (latency_bench's checkpoints: SmolLM2-135M-Instruct,
 and a Llama of TinyLlama-1.1B's shape with random weights), scenario 1 runs on that checkpoint with
 prompts cut from real text (held-out Python source) and the systems llmc, genai, openvino,
-openvino-f32, llmc-openvino and llmc-openvino-f32, built by latency_bench's `build`; llmc's engines
+openvino-f32, llmc-openvino and llmc-openvino-f32; llmc's engines
 decode one token a step (speculative_tokens=0), so that guessing does not flatter them.
 
 Every run reports the machine's limit for scenario 1 (`workload_limit`: the machine's bandwidth
@@ -64,11 +66,9 @@ Progress goes to stderr; stdout gets the table, or one JSON object with --json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -129,44 +129,15 @@ QUICK = Scale(requests=8, prompt_len=(16, 64), output_len=(4, 16), long_prompt=6
 # --- building --------------------------------------------------------------------------------
 
 
-def build(checkpoint: Path, out: Path, cache: Path) -> dict[str, Any]:
-    """The llmc engine and the genai model folder; returns their paths and build times."""
-    from llmc.compiler.build import compile_model
-    from llmc.compiler.export import export
-    from llmc.compiler.paged_engine import PagedOptions
-
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    built: dict[str, Any] = {}
-    start = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):
-        export(str(checkpoint), out / "model.onnx", check=False, progress=lambda m: log(f"  {m}"))
-        manifest = compile_model(out / "model.onnx", out / "engine.plan", progress=lambda m: log(f"  {m}"))
-    built["llmc_engine"] = out / "engine.plan"
-    built["llmc_build_s"] = round(time.perf_counter() - start, 1)
-    built["paged"] = manifest["paged"]
-    with contextlib.redirect_stdout(sys.stderr):
-        compile_model(out / "model.onnx", out / "engine-kv16.plan", paged=PagedOptions(kv_dtype="float16"))
-    built["llmc_kv16_engine"] = out / "engine-kv16.plan"
-    for name, (options, _) in LLMC_OPENVINO.items():
-        with contextlib.redirect_stdout(sys.stderr):
-            compile_model(out / "model.onnx", out / f"{name}.plan", backend="openvino", bf16="--bf16" in options,
-                          paged=PagedOptions(kv_dtype="float16" if "--kv-cache-dtype" in options else None))
-        built[name] = out / f"{name}.plan"
-    log(f"build: llmc engine in {built['llmc_build_s']} s: {manifest['paged']}")
-    start = time.perf_counter()
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint),
-               "-o", str(out / "genai"), "-p", "fp32", "-e", "cpu", "-c", str(cache)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-        built["genai_error"] = f"builder exit {done.returncode}: " + " | ".join(tail)
-        log(f"build: genai FAILED: {built['genai_error']}")
-    else:
-        built["genai_model"] = out / "genai"
-        built["genai_build_s"] = round(time.perf_counter() - start, 1)
-        log(f"build: genai model in {built['genai_build_s']} s")
+def build(checkpoint: Path, out: Path) -> dict[str, Any]:
+    """latency_bench's fp32 builds (llmc's engines and onnxruntime-genai's folder, each through its own command
+    line) and llmc's engine with an fp16 KV cache, beside them as `paths["llmc-kv16"]`."""
+    built = latency_bench.build(checkpoint, out, ("fp32",))
+    kv16 = out / "kv16.plan"
+    built["seconds"]["llmc-kv16_compile"] = latency_bench.timed(
+        [*latency_bench.LLMC, "compile", str(out / "model.onnx"), "-o", str(kv16), "--kv-cache-dtype", "fp16"],
+        "llmc compile --kv-cache-dtype fp16", built["errors"])
+    built["paths"]["llmc-kv16"] = {"fp32": kv16}
     return built
 
 
@@ -439,40 +410,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         checkpoint, model = latency_bench.real_checkpoint(args.model, work)
         built = latency_bench.build(checkpoint, work / f"serving-{args.model}", ("fp32",),
                                     large=args.model == "llama-1b")
-        errors |= built["errors"]
-        paths = built["paths"]
         recipe |= {"text": str(checkpoint), "special": [], "speculative_tokens": 0}
         workload = text_workload(scale, args.seed, checkpoint)
-        from llmc.formats.engine_file import read_manifest
-
-        engine = {"paged": read_manifest(paths["llmc"]["fp32"])["paged"], "build_s": built["seconds"]["llmc_compile"]}
-        jobs = {name: {"run": "llmc", "engine": str(paths[name]["fp32"])} for name in ("llmc", *LLMC_OPENVINO)
-                if paths[name]["fp32"].is_file()}
-        genai_config = paths["genai"]["fp32"] / "genai_config.json"
-        if genai_config.is_file():
-            pad = json.loads(genai_config.read_text())["model"]["pad_token_id"]
-            jobs["genai"] = {"run": "genai", "folder": str(genai_config.parent), "pad": pad, "group": GROUP}
+        llmc_jobs, genai_groups = ("llmc", *LLMC_OPENVINO), {"genai": GROUP}
     else:
         checkpoint = work / "hf-llama-32m-4k"
         model = {**dataclasses.asdict(SPEC), "parameters": ensure_checkpoint(checkpoint, SPEC)}
-        built = build(checkpoint, work / "serving", work / "genai-cache")
+        built = build(checkpoint, work / "serving")
         from llmc.tokenizer import byte_level_tokenizer
 
         tokenizer = byte_level_tokenizer()
-        pad = tokenizer.eos_id  # the checkpoint's pad token (genai pads with it)
+        pad = tokenizer.eos_id  # the checkpoint's pad token, which the HF baselines pad with
         special = {tokenizer.bos_id, tokenizer.eos_id}
         recipe["special"] = sorted(special)
         workload = offline_workload(scale, args.seed, special)
-        engine = {"paged": built["paged"], "build_s": built["llmc_build_s"]}
-        jobs = {"llmc": {"run": "llmc", "engine": str(built["llmc_engine"])},
-                f"llmc-{WIDE}": {"run": "llmc", "engine": str(built["llmc_engine"]), "seats": WIDE},
-                "llmc-kv16": {"run": "llmc", "engine": str(built["llmc_kv16_engine"])},
-                **{name: {"run": "llmc", "engine": str(built[name])} for name in LLMC_OPENVINO}}
-        if "genai_model" in built:
-            jobs |= {name: {"run": "genai", "folder": str(built["genai_model"]), "pad": pad, "group": group}
-                     for name, group in (("genai", GROUP), (f"genai-{WIDE}", WIDE))}
-        else:
-            errors["genai"] = built["genai_error"]
+        llmc_jobs, genai_groups = ("llmc", "llmc-kv16", *LLMC_OPENVINO), {"genai": GROUP, f"genai-{WIDE}": WIDE}
+    errors |= built["errors"]
+    paths = built["paths"]
+    from llmc.formats.engine_file import read_manifest
+
+    engine = {"paged": read_manifest(paths["llmc"]["fp32"])["paged"], "build_s": built["seconds"]["llmc_compile"]}
+    jobs = {name: {"run": "llmc", "engine": str(paths[name]["fp32"])} for name in llmc_jobs
+            if paths[name]["fp32"].is_file()}
+    if args.model not in REAL_MODELS and "llmc" in jobs:
+        jobs[f"llmc-{WIDE}"] = {**jobs["llmc"], "seats": WIDE}
+    genai_config = paths["genai"]["fp32"] / "genai_config.json"
+    if genai_config.is_file():
+        genai_pad = json.loads(genai_config.read_text())["model"]["pad_token_id"]
+        jobs |= {name: {"run": "genai", "folder": str(genai_config.parent), "pad": genai_pad, "group": group}
+                 for name, group in genai_groups.items()}
     log(f"workload: {len(workload)} requests, {sum(len(r.prompt) for r in workload)} prompt tokens, "
         f"{sum(r.output_len for r in workload)} output tokens")
     systems: dict[str, Any] = {}
@@ -518,7 +484,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     interference = None
     if args.model not in REAL_MODELS:
         interference = attempt("interference", lambda: in_fresh_process(
-            CHILD, {"run": "interference", "engine": str(built["llmc_engine"]), **recipe}))
+            CHILD, {"run": "interference", "engine": str(paths["llmc"]["fp32"]), **recipe}))
         requests = [(r.prompt, r.output_len) for r in workload]
         common = {"checkpoint": str(checkpoint), "threads": args.threads, "pad": pad}
         for name, job in (("hf-static", {"run": "run_hf_static", "requests": requests, "group_size": GROUP}),
