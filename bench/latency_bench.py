@@ -4,8 +4,8 @@ The checkpoint is made by the benchmark: a ~26M-parameter Llama (optimize_bench'
 6 layers and 2,304 positions, random seeded weights), or with `--model smollm2`
 SmolLM2-135M-Instruct (tests/smollm2.py; 64 new tokens instead of 128), or with `--model llama-1b`
 large_model_bench's 1B Llama (TinyLlama-1.1B's shape, random weights) with 2,304 positions and
-32 new tokens, without the profiled runs (at 1B a run takes minutes), and `--bf16
---force` for llmc's OpenVINO engine: bf16's accuracy check runs in memory, which 4.4 GB exceed.
+32 new tokens, without the profiled runs (at 1B a run takes minutes), and `--force` for llmc's
+OpenVINO engines: a reduced precision's accuracy check runs in memory, which 4.4 GB exceed.
 Both systems build from it with their own tools, timed as subprocesses: `llmc export` + `llmc compile` (default options:
 the paged engine) against onnxruntime-genai's model builder (fp32, cpu); then `llmc compile
 --weights int4 --force` against the builder's `-p int4`, and llmc's int4 again in the builder's
@@ -22,12 +22,14 @@ EOS ignored). A peer that cannot be installed, exported or run is recorded with 
 benchmark goes on. The machine's AVX-512 and AMX flags are recorded: they
 decide OpenVINO's default precision.
 
-Every measurement run is a process of its own, the systems in turn, each uses 2 threads
-(`--threads`). The systems compared go in pairs, back to back (PAIRS: llmc and genai, each of
-llmc's OpenVINO engines and OpenVINO GenAI in the same precision), the pairs' order rotating from
-run to run and precision to precision and each pair's alternating; a run's systems share its
-prompts. This machine's speed drifts by ±15% within minutes, and a pair sees the same drift: a
-ratio is the median of the runs' own ratios (`paired_ratio`), not of the medians' ratio. A run:
+Every measurement run is a process of its own, each uses 2 threads (`--threads`). The systems
+compared go in pairs (PAIRS: llmc and genai, each of llmc's OpenVINO engines and OpenVINO GenAI in
+the same precision), the pairs' order rotating from run to run and precision to precision and each
+pair's alternating; a run's systems share its prompts. A pair's two workers load one after the
+other and stay loaded side by side (bench/stepped.py); then each row is measured by one and at once
+by the other, seconds apart. This machine's speed drifts by up to 30% within a minute, and the two
+sides of a row see the same drift: a ratio is the median of the runs' own ratios (`paired_ratio`),
+not of the medians' ratio. A run:
 
   load + first token  from the top of the child process (its `import llmc` or
                       `import onnxruntime_genai` included) to the first token of a 16-token prompt
@@ -95,6 +97,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 import record  # noqa: E402
+import stepped  # noqa: E402
 
 LOW_ID = 260  # random prompt ids start here: past the byte-level tokenizer's and SmolLM2's special ids
 SHORT_PROMPT = 16  # the load + first token prompt
@@ -272,40 +275,54 @@ class _GenaiRunner:
         return start, [times] * len(prompts)
 
 
-def child(job: dict[str, Any]) -> dict[str, Any]:
-    """One measurement run; `job` names the system, the model and what to measure."""
+def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A worker's load and first token (`job` names the system, the model and what to measure), and
+    its measurements as stepped.STEPS; each draws its prompts from the job's seed in that order."""
     # Counted from _T0: the runner's `import llmc` / `import onnxruntime_genai` is part of start-up.
     runner = (_LlmcRunner if job["system"].startswith("llmc") else _GenaiRunner)(job["path"], job["threads"])
     loaded = time.perf_counter() - _T0
     import numpy as np
 
-    out: dict[str, Any] = {"rss_after_load_mib": _rss_mib(), "load_s": round(loaded, 3)}
+    ready: dict[str, Any] = {"rss_after_load_mib": _rss_mib(), "load_s": round(loaded, 3)}
     rng = np.random.default_rng(job["seed"])
     _, times = runner.generate(_prompts(rng, 1, SHORT_PROMPT, runner.vocab), 1)
-    out["load_first_token_s"] = round(times[0][0] - _T0, 3)
-    runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), 4)  # warm-up, not measured
-    start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
-    out.update(_rates(start, times))
-    if job["system"].startswith("llmc") and job.get("one_token_a_step"):
-        with runner.one_token_a_step():
-            start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
-        out["plain_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
-    if job.get("texts"):
-        out.update(_real_text(runner, job))
-    if job.get("long_prompt"):
+    ready["load_first_token_s"] = round(times[0][0] - _T0, 3)
+    llmc = job["system"].startswith("llmc")
+
+    def warmup() -> dict[str, Any]:
+        runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), 4)
+        return {}
+
+    def decode() -> dict[str, Any]:
+        out = _rates(*runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"]))
+        if llmc and job.get("one_token_a_step"):
+            with runner.one_token_a_step():
+                start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
+            out["plain_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
+        return out
+
+    def long() -> dict[str, Any]:
+        if not job.get("long_prompt"):
+            return {}
         cold = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
         warm = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
-        out["ttft_long_cold_ms"] = _rates(*cold)["ttft_ms"]
-        out["ttft_long_ms"] = _rates(*warm)["ttft_ms"]
-    if job.get("batch"):
+        return {"ttft_long_cold_ms": _rates(*cold)["ttft_ms"], "ttft_long_ms": _rates(*warm)["ttft_ms"]}
+
+    def ttft() -> dict[str, Any]:
+        firsts = [_rates(*runner.generate([prompt], 1))["ttft_ms"] for prompt in ttft_prompts(job, runner.vocab)]
+        return {"ttft_ms": _median(firsts)}
+
+    def batch() -> dict[str, Any]:
+        if not job.get("batch"):
+            return {}
         start, times = runner.generate(_prompts(rng, job["batch"], job["prompt"], runner.vocab), job["new_tokens"])
-        out["batch_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
-    firsts = [_rates(*runner.generate([prompt], 1))["ttft_ms"] for prompt in ttft_prompts(job, runner.vocab)]
-    out["ttft_ms"] = _median(firsts)
-    out["peak_rss_mib"] = _rss_mib("VmHWM")  # before the profiled runs' engines load
-    if job.get("profile"):
-        out["profiles"] = _profiles(job, rng)
-    return out
+        return {"batch_decode_tok_s": _rates(start, times)["decode_tok_s"]}
+
+    steps = {"warmup": warmup, "decode": decode, "long": long, "ttft": ttft, "batch": batch,
+             "texts": lambda: _real_text(runner, job) if job.get("texts") else {},
+             "done": lambda: {"peak_rss_mib": _rss_mib("VmHWM")},  # before the profiled runs' engines load
+             "profile": lambda: {"profiles": _profiles(job, rng)} if job.get("profile") else {}}
+    return ready, steps
 
 
 def _profiles(job: dict[str, Any], rng) -> dict[str, dict]:
@@ -382,9 +399,9 @@ def ttft_prompts(job: dict[str, Any], vocab: int) -> list[list[int]]:
     return _prompts(np.random.default_rng([job["seed"], TTFT_PROMPTS]), TTFT_PROMPTS, job["prompt"], vocab)
 
 
-def spawn_openvino(python: Path, hint: str | None, job: dict[str, Any], vocab: int) -> dict[str, Any]:
-    """`job`'s measurements on OpenVINO GenAI (bench/openvino_peer.py's worker, a process of its
-    own): fresh random prompts from the job's seed, the same sizes as llmc's run."""
+def openvino_worker(python: Path, hint: str | None, job: dict[str, Any], vocab: int) -> stepped.Worker:
+    """`job`'s measurements on OpenVINO GenAI, loaded (bench/openvino_peer.py's worker, a process
+    of its own): fresh random prompts from the job's seed, the same sizes as llmc's run."""
     import numpy as np
 
     import openvino_peer
@@ -397,10 +414,7 @@ def spawn_openvino(python: Path, hint: str | None, job: dict[str, Any], vocab: i
     if job.get("batch"):
         peer["batch"] = _prompts(rng, job["batch"], job["prompt"], vocab)
     peer["ttft"] = ttft_prompts(job, vocab)
-    spawned = time.perf_counter()
-    result = openvino_peer.run_worker(peer, python)
-    result["process_s"] = round(time.perf_counter() - spawned, 2)
-    return result
+    return openvino_peer.start_worker(peer, python)
 
 
 def openvino_models(checkpoint: Path, errors: dict[str, str]) -> tuple[Path | None, dict[str, Path]]:
@@ -503,17 +517,10 @@ def share_of_limit(value: float | None, limit: dict | None, higher: bool) -> flo
     return round(value / limit["value"] if higher else limit["value"] / value, 3)
 
 
-def spawn(job: dict[str, Any]) -> dict[str, Any]:
-    """Run `child(job)` in a fresh interpreter; OMP_WAIT_POLICY is left for each system to set."""
+def worker(job: dict[str, Any]) -> stepped.Worker:
+    """`start(job)` in a fresh interpreter, loaded; OMP_WAIT_POLICY is left for each system to set."""
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    spawned = time.perf_counter()
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(job)],
-                          env=environment, text=True, stdout=subprocess.PIPE)
-    if done.returncode != 0:
-        raise RuntimeError(f"{job['system']} run exited with {done.returncode} (its error is above)")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["process_s"] = round(time.perf_counter() - spawned, 2)
-    return result
+    return stepped.Worker([sys.executable, str(Path(__file__).resolve()), "--worker"], job, environment)
 
 
 # --- building ---------------------------------------------------------------------------------
@@ -703,30 +710,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      ([system for system in pair if system in here] for pair in PAIRS) if pair]
             turn = (rep + PRECISIONS.index(precision)) % len(pairs)
             seed += 1  # fresh prompts in every run
-            for system in [system for pair in pairs[turn:] + pairs[:turn] for system in pair]:
-                path = (openvino[OPENVINO_WEIGHTS[precision]] if system in OPENVINO
-                        else built["paths"][system][precision])
-                job = {"system": system, "path": str(path), "threads": args.threads, "seed": seed,
-                       "prompt": sizes.prompt, "new_tokens": sizes.new_tokens, "one_token_a_step": True}
-                if precision == "fp32":
-                    job.update(long_prompt=sizes.long_prompt, batch=sizes.batch,
-                               profile=system == "llmc" and rep == 0 and not large)
-                if system in OPENVINO:
-                    try:
-                        result = spawn_openvino(openvino_python, OPENVINO[system], job, vocab)
-                    except Exception as exc:  # reported; its later runs in this precision are skipped
-                        peer_errors[f"{system} {precision}"] = f"{type(exc).__name__}: {str(exc).strip()}"[:1000]
+            for pair in pairs[turn:] + pairs[:turn]:
+                starts = []
+                for system in pair:
+                    path = (openvino[OPENVINO_WEIGHTS[precision]] if system in OPENVINO
+                            else built["paths"][system][precision])
+                    job = {"system": system, "path": str(path), "threads": args.threads, "seed": seed,
+                           "prompt": sizes.prompt, "new_tokens": sizes.new_tokens, "one_token_a_step": True}
+                    if precision == "fp32":
+                        job.update(long_prompt=sizes.long_prompt, batch=sizes.batch,
+                                   profile=system == "llmc" and rep == 0 and not large)
+                    if system in OPENVINO:
+                        starts.append(lambda job=job, hint=OPENVINO[system]: openvino_worker(
+                            openvino_python, hint, job, vocab))
+                    else:
+                        if texts and precision != "int4-sym":
+                            job.update(texts=texts, text_tokens=TEXT_TOKENS)
+                        starts.append(lambda job=job: worker(job))
+                for system, result in zip(pair, stepped.run_pair(starts)):
+                    if isinstance(result, Exception):
+                        if system not in OPENVINO:
+                            raise result
+                        # reported; its later runs in this precision are skipped
+                        peer_errors[f"{system} {precision}"] = f"{type(result).__name__}: {str(result).strip()}"[:1000]
                         log(f"run {rep + 1}/{reps} {precision} {system} FAILED: {peer_errors[f'{system} {precision}']}")
                         continue
-                else:
-                    if texts and precision != "int4-sym":
-                        job.update(texts=texts, text_tokens=TEXT_TOKENS)
-                    result = spawn(job)
                     profiles.update(result.pop("profiles", {}))
-                runs[system][precision].append({**result, "run": rep})
-                log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
-                    f"{k} {v}" for k, v in result.items()
-                    if not k.endswith("_outputs") and k not in ("versions", "scheduler")))
+                    runs[system][precision].append({**result, "run": rep})
+                    log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
+                        f"{k} {v}" for k, v in result.items()
+                        if not k.endswith("_outputs") and k not in ("versions", "scheduler")))
 
     limits.append(measure_machine(args.threads))
     machine = better_limits(limits)
@@ -872,8 +885,8 @@ def render(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        print(json.dumps(child(json.loads(argv[1]))), flush=True)
+    if argv[:1] == ["--worker"]:
+        stepped.serve(start)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("llama-25m", "smollm2", "llama-1b"), default="llama-25m",

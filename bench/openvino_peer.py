@@ -13,7 +13,9 @@ group 32; optimum-intel keeps the tied embedding / lm_head in int8 per channel),
 of the folder's files.
 
 `run_worker(job)` measures one exported model in a fresh process of the venv
-(``python bench/openvino_peer.py worker < JOB.json`` prints one JSON line), on the CPU at
+(``python bench/openvino_peer.py worker < JOB.json`` prints one JSON line); `start_worker(job)`
+loads it there and leaves each measurement for the caller to step, in turn with another system's
+(bench/stepped.py; ``openvino_peer.py serve``). On the CPU at
 ``job["threads"]`` threads (the CPU plugin's INFERENCE_NUM_THREADS), with OpenVINO's default
 compute precision (bf16 on CPUs with avx512_bf16 or AMX) or ``job["hint"]`` as its
 INFERENCE_PRECISION_HINT ("f32" to compare like for like), and ``job["properties"]``' other CPU
@@ -230,8 +232,10 @@ def _drive(og, ov, np, pipe, requests: list[dict[str, Any]]) -> tuple[float, lis
     return start, times
 
 
-def worker(job: dict[str, Any]) -> dict[str, Any]:
-    """One measurement run of one exported model (see the module docstring for `job`)."""
+def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One exported model loaded (see the module docstring for `job`): its load figures, and its
+    measurements as stepped.STEPS (the batch's continuous batching replaces the single-request
+    pipeline, so it comes after every step that needs that one)."""
     import numpy as np
     import openvino as ov
     import openvino_genai as og
@@ -240,46 +244,87 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     if job.get("hint"):
         properties["INFERENCE_PRECISION_HINT"] = job["hint"]
     properties.update(job.get("properties", {}))  # a probe's other settings (KV_CACHE_PRECISION, ...)
-    out: dict[str, Any] = {"versions": {name: importlib.metadata.version(name) for name in ("openvino", "openvino-genai")}}
+    ready: dict[str, Any] = {"versions": {name: importlib.metadata.version(name)
+                                          for name in ("openvino", "openvino-genai")}}
     cpu0, wall0 = sum(os.times()[:2]), time.perf_counter()
     pipe = og.LLMPipeline(job["model"], "CPU", **properties)
-    out["load_s"] = round(time.perf_counter() - wall0, 3)
-    if job.get("warmup"):
-        _stream(og, ov, np, pipe, job["warmup"], WARMUP_TOKENS)
-    if job.get("decode"):
+    ready["load_s"] = round(time.perf_counter() - wall0, 3)
+
+    def warmup() -> dict[str, Any]:
+        if job.get("warmup"):
+            _stream(og, ov, np, pipe, job["warmup"], WARMUP_TOKENS)
+        return {}
+
+    def decode() -> dict[str, Any]:
+        if not job.get("decode"):
+            return {}
         start, times = _stream(og, ov, np, pipe, job["decode"], job["new_tokens"])
-        out["ttft_ms"] = round((times[0] - start) * 1e3, 2)
-        out["decode_tok_s"] = round((len(times) - 1) / (times[-1] - times[0]), 2)
-    for n, prompt in enumerate(job.get("long", [])):
-        start, times = _stream(og, ov, np, pipe, prompt, 1)
-        out["ttft_long_cold_ms" if n == 0 else "ttft_long_ms"] = round((times[0] - start) * 1e3, 2)
-    firsts = [_stream(og, ov, np, pipe, prompt, 1) for prompt in job.get("ttft", [])]
-    if firsts:
-        out["ttft_ms"] = round(float(np.median([(times[0] - start) * 1e3 for start, times in firsts])), 2)
-    del pipe
-    if job.get("batch") or job.get("workload"):
+        return {"ttft_ms": round((times[0] - start) * 1e3, 2),
+                "decode_tok_s": round((len(times) - 1) / (times[-1] - times[0]), 2)}
+
+    def long() -> dict[str, Any]:
+        out = {}
+        for n, prompt in enumerate(job.get("long", [])):
+            start, times = _stream(og, ov, np, pipe, prompt, 1)
+            out["ttft_long_cold_ms" if n == 0 else "ttft_long_ms"] = round((times[0] - start) * 1e3, 2)
+        return out
+
+    def ttft() -> dict[str, Any]:
+        firsts = [_stream(og, ov, np, pipe, prompt, 1) for prompt in job.get("ttft", [])]
+        return {"ttft_ms": round(float(np.median([(times[0] - start) * 1e3 for start, times in firsts])), 2)} \
+            if firsts else {}
+
+    def batch() -> dict[str, Any]:
+        nonlocal pipe
+        if not (job.get("batch") or job.get("workload")):
+            return {}
+        pipe = None  # its memory back before the continuous batching's model loads
+        out: dict[str, Any] = {}
         scheduler = og.SchedulerConfig()
         for field, value in job.get("scheduler", {}).items():
             setattr(scheduler, field, value)
         out["scheduler"] = {field: getattr(scheduler, field) for field in
                             ("max_num_batched_tokens", "max_num_seqs", "dynamic_split_fuse", "enable_prefix_caching")}
-        pipe = og.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
+        batching = og.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
         if job.get("warmup"):
-            _drive(og, ov, np, pipe, [{"prompt": job["warmup"], "output_len": WARMUP_TOKENS}])
+            _drive(og, ov, np, batching, [{"prompt": job["warmup"], "output_len": WARMUP_TOKENS}])
         if job.get("batch"):
-            start, times = _drive(og, ov, np, pipe, [{"prompt": p, "output_len": job["new_tokens"]} for p in job["batch"]])
+            start, times = _drive(og, ov, np, batching,
+                                  [{"prompt": p, "output_len": job["new_tokens"]} for p in job["batch"]])
             first, last = max(t[0] for t in times), max(t[-1] for t in times)
             after = sum(1 for t in times for x in t if x > first)
             out["batch_ttft_ms"] = round((times[0][0] - start) * 1e3, 2)
             out["batch_decode_tok_s"] = round(after / (last - first), 2) if last > first else None
         if job.get("workload"):
-            start, times = _drive(og, ov, np, pipe, job["workload"])
+            start, times = _drive(og, ov, np, batching, job["workload"])
             wall = max(t[-1] for t in times) - start
             out["workload"] = {"first_token_s": [round(t[0] - start, 4) for t in times],
                                "finish_s": [round(t[-1] - start, 4) for t in times], "wall_s": round(wall, 3),
                                "throughput_tok_s": round(sum(len(t) for t in times) / wall, 2)}
-    out["cpu_per_wall"] = round((sum(os.times()[:2]) - cpu0) / (time.perf_counter() - wall0), 2)
-    return out
+        return out
+
+    def done() -> dict[str, Any]:
+        return {"cpu_per_wall": round((sum(os.times()[:2]) - cpu0) / (time.perf_counter() - wall0), 2)}
+
+    return ready, {"warmup": warmup, "decode": decode, "long": long, "ttft": ttft, "batch": batch, "done": done}
+
+
+def worker(job: dict[str, Any]) -> dict[str, Any]:
+    """`start(job)`'s every step in turn: one measurement run, its figures together."""
+    import stepped
+
+    ready, steps = start(job)
+    for step in stepped.STEPS:
+        ready.update(steps[step]() if step in steps else {})
+    return ready
+
+
+def start_worker(job: dict[str, Any], python: Path | None = None):
+    """`start(job)` in a fresh process of the venv, loaded, for the caller to step (bench/stepped.py)."""
+    import stepped
+
+    return stepped.Worker([str(python or peer_python()), str(Path(__file__).resolve()), "serve"],
+                          {"system": "openvino", **job})
 
 
 # --- one run of the three settings (the running environment) ----------------------------------
@@ -320,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("worker", help="run the job JSON on stdin (in the venv); print one JSON line")
+    commands.add_parser("serve", help="load the job on stdin's first line (in the venv); answer the steps on its "
+                                      "next lines (bench/stepped.py)")
     run = commands.add_parser("run", help="measure a checkpoint in the three settings")
     run.add_argument("--checkpoint", type=Path, help="a Hugging Face folder (default: SmolLM2-135M-Instruct)")
     run.add_argument("--threads", type=int, default=2)
@@ -328,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "worker":
         print(json.dumps(worker(json.loads(sys.stdin.read()))))
+        return 0
+    if args.command == "serve":
+        import stepped
+
+        stepped.serve(start)
         return 0
     checkpoint = args.checkpoint
     if checkpoint is not None and not (checkpoint / "config.json").is_file():

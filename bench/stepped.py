@@ -1,0 +1,105 @@
+"""Measurement workers kept loaded and stepped in turn, so that two systems' figures of a row are
+taken seconds apart, not a minute.
+
+This machine's speed drifts by up to 30% within a minute. A pair of systems measured one whole
+run after the other sees different drift in each; loaded side by side, each row measured by one
+and then at once by the other, the two see the same. A worker is a process of its own (its own
+interpreter and venv where it needs one): the first line on its stdin is its job, each later line
+names a step, and it answers each with one JSON line; only the step's own work runs while the
+other worker waits on its stdin.
+
+Standard library only: OpenVINO GenAI's worker imports it in a venv of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Callable
+
+# A run's steps, in order. A worker answers a step it has nothing for with {}; the ones that
+# drop state another needs (OpenVINO GenAI's batch frees its single-request pipeline) come last.
+STEPS = ("warmup", "decode", "texts", "long", "ttft", "batch", "done", "profile")
+
+
+def serve(start: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Callable[[], dict[str, Any]]]]]) -> None:
+    """The worker's side: `start(job)` loads and returns the ready figures and the steps; each step
+    name read from stdin is answered on stdout. Anything else written to stdout (a library's
+    progress) goes to stderr, so that stdout carries the answers alone."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    ready, steps = start(json.loads(sys.stdin.readline()))
+    _answer(answers, ready)
+    for line in sys.stdin:
+        step = steps.get(json.loads(line)["step"])
+        _answer(answers, step() if step else {})
+
+
+def _answer(answers, figures: dict[str, Any]) -> None:
+    answers.write(json.dumps(figures) + "\n")
+    answers.flush()
+
+
+class Worker:
+    """The driver's side: `command` started with `job`, loaded once `ready` is read."""
+
+    def __init__(self, command: list[str], job: dict[str, Any], env: dict[str, str] | None = None):
+        self.name = job.get("system", command[-1])
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.process.stdin.write(json.dumps(job) + "\n")
+        self.process.stdin.flush()
+        self.ready = self._read()
+
+    def step(self, name: str) -> dict[str, Any]:
+        self.process.stdin.write(json.dumps({"step": name}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+        if self.process.wait() != 0:
+            raise RuntimeError(f"{self.name} worker exited with {self.process.returncode} (its error is above)")
+
+    def _read(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()
+        if not line:  # its stdout closed: it has exited, or is exiting
+            try:
+                code = self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                code = self.process.wait()
+            raise RuntimeError(f"{self.name} worker exited with {code} (its error is above)")
+        return json.loads(line)
+
+
+def run_pair(workers: list[Callable[[], Worker]]) -> list[dict[str, Any] | Exception]:
+    """Each worker started in turn (loads do not overlap), then STEPS, each taken by every worker
+    before the next step; a worker's figures, or the error that stopped it (the others go on)."""
+    figures: list[dict[str, Any] | Exception] = []
+    started: list[Worker | None] = []
+    for make in workers:
+        try:
+            worker = make()
+            started.append(worker)
+            figures.append(dict(worker.ready))
+        except Exception as exc:  # a peer that cannot load is a result, not the end of the pair
+            started.append(None)
+            figures.append(exc)
+    for step in STEPS:
+        for n, worker in enumerate(started):
+            if worker is None:
+                continue
+            try:
+                figures[n].update(worker.step(step))
+            except Exception as exc:
+                started[n], figures[n] = None, exc
+    for n, worker in enumerate(started):
+        if worker is not None:
+            try:
+                worker.close()
+            except Exception as exc:
+                figures[n] = exc
+    return figures

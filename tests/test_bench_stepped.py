@@ -1,0 +1,69 @@
+"""bench/stepped.py: two loaded workers take each measurement step in turn, answer on a clean
+channel, and one that fails is reported without stopping the other."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+import stepped  # noqa: E402
+
+# A worker whose every step reports when it ran, prints noise on stdout as libraries do, and
+# fails at the step its job names.
+FAKE = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {bench!r})
+    import stepped
+
+    def start(job):
+        print("a library's progress on stdout")
+        def step(name):
+            def run():
+                print("more noise")
+                if name == job.get("fail_at"):
+                    raise RuntimeError("broken on purpose")
+                return {{name: time.perf_counter()}}
+            return run
+        return {{"loaded": job["system"]}}, {{name: step(name) for name in stepped.STEPS if name != "texts"}}
+
+    stepped.serve(start)
+""")
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Path:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE.format(bench=str(REPO / "bench")))
+    return script
+
+
+def _start(script: Path, **job):
+    return lambda: stepped.Worker([sys.executable, str(script)], job)
+
+
+def test_a_pair_takes_each_step_in_turn(fake):
+    first, second = stepped.run_pair([_start(fake, system="a"), _start(fake, system="b")])
+    assert first["loaded"] == "a" and second["loaded"] == "b"
+    steps = [step for step in stepped.STEPS if step != "texts"]
+    assert "texts" not in first and "texts" not in second  # a step a worker lacks answers {}
+    # a's step, then b's same step, then a's next: never two of one worker's steps in a row
+    times = [figures[step] for step in steps for figures in (first, second)]
+    assert times == sorted(times)
+
+
+def test_a_worker_that_fails_is_reported_and_its_partner_finishes(fake):
+    broken, whole = stepped.run_pair([_start(fake, system="a", fail_at="ttft"), _start(fake, system="b")])
+    assert isinstance(broken, RuntimeError) and "a worker exited with 1" in str(broken)
+    assert set(whole) >= {"warmup", "decode", "ttft", "batch", "done", "profile"}
+
+
+def test_a_worker_that_cannot_start_is_reported(tmp_path):
+    missing = tmp_path / "missing.py"
+    (figures,) = stepped.run_pair([_start(missing, system="gone")])
+    assert isinstance(figures, RuntimeError) and "gone worker exited with 2" in str(figures)
+
