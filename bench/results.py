@@ -436,17 +436,16 @@ class Benchmark:
 
 BENCHMARKS = [
     Benchmark("latency_smollm2.json", "Latency, start-up and build: llmc against onnxruntime-genai",
-              "SmolLM2-135M-Instruct built by each system's own tools and run one process at a time, alternating:\n"
-              "batch-1 and static batch-16 decode rates, time to first token, load + first token, resident\n"
-              "memory and build times, in fp32 and int4 weight-only. Medians of 5 runs, 2 threads each; the\n"
-              "systems compared run back to back, and a ratio is the median of the runs' own ratios.",
+              "SmolLM2-135M-Instruct built by each system's own tools: batch-1 and static batch-16 decode rates,\n"
+              "time to first token, load + first token, resident memory and build times, in fp32 and int4\n"
+              "weight-only. Medians of the runs, 2 threads each; the two systems compared stay loaded side by side\n"
+              "and measure each row in turn, and a ratio is the median of the runs' own ratios.",
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2.json",
               render_latency),
     Benchmark("latency_llama_1b.json", "Latency at 1B parameters: the same rows on a larger model",
               "The same measurements on a Llama of TinyLlama-1.1B's shape (random weights, 4.4 GB in fp32) with\n"
-              "2,304 positions: 32 new tokens, no profiled runs;\n"
-              "llmc's bf16 engine is built with\n"
-              "`--bf16 --force` (the bf16 check runs in memory, which 4.4 GB exceed). Random weights make greedy\n"
+              "2,304 positions: 32 new tokens, no profiled runs; llmc's OpenVINO engines are built with `--force`\n"
+              "(a reduced precision's check runs in memory, which 4.4 GB exceed). Random weights make greedy\n"
               "output repeat, which flatters llmc's guessing: read the one-token-a-step rows.",
               "python bench/latency_bench.py --model llama-1b --save-json bench/results/latency_llama_1b.json",
               render_latency),
@@ -465,9 +464,9 @@ BENCHMARKS = [
               "python bench/serving_bench.py --model smollm2 --save-json bench/results/serving_smollm2.json",
               render_serving),
     Benchmark("serving_llama_1b.json", "Serving throughput at 1B parameters",
-              "The same on a Llama of TinyLlama-1.1B's shape (random weights, prompts of real text), 32 requests,\n"
-              "one round: at 1B a system's run takes minutes.",
-              "python bench/serving_bench.py --model llama-1b --requests 32 --rounds 1 "
+              "The same on a Llama of TinyLlama-1.1B's shape (random weights, prompts of real text), 32 requests;\n"
+              "each system's median of 3 rounds, a ratio the median of the rounds' (single runs move by up to 30%).",
+              "python bench/serving_bench.py --model llama-1b --requests 32 "
               "--save-json bench/results/serving_llama_1b.json", render_serving),
     Benchmark("product_command.json", "Accuracy of the product's command on a real model",
               "`llmc compile model.onnx --fp16 --int8-calib DIR` on SmolLM2-135M-Instruct for the CPU and the\n"
