@@ -550,7 +550,6 @@ def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS,
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    llmc = LLMC
     onnx = out / "model.onnx"
     genai = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-e", "cpu",
              "-c", str(out / "genai-cache")]
@@ -558,29 +557,29 @@ def build(checkpoint: Path, out: Path, precisions: tuple[str, ...] = PRECISIONS,
     lm_head = out / "int4-lm-head.json"
     lm_head.write_text(json.dumps({"rules": {"lm_head": "int4"}}))
     seconds = {
-        "llmc_export": timed([*llmc, "export", str(checkpoint), "-o", str(onnx)], "llmc export", errors),
-        "llmc_compile": timed([*llmc, "compile", str(onnx), "-o", str(out / "fp32.plan")], "llmc compile", errors),
+        "llmc_export": timed([*LLMC, "export", str(checkpoint), "-o", str(onnx)], "llmc export", errors),
+        "llmc_compile": timed([*LLMC, "compile", str(onnx), "-o", str(out / "fp32.plan")], "llmc compile", errors),
         "genai_builder": timed([*genai, "-o", str(out / "genai-fp32"), "-p", "fp32"], "genai builder fp32", errors),
     }
     int4 = {
-        "llmc_compile_int4": timed([*llmc, "compile", str(onnx), "-o", str(out / "int4.plan"), "--weights", "int4",
+        "llmc_compile_int4": timed([*LLMC, "compile", str(onnx), "-o", str(out / "int4.plan"), "--weights", "int4",
                                     "--force"], "llmc compile --weights int4 --force", errors),
         "genai_builder_int4": timed([*genai, "-o", str(out / "genai-int4"), "-p", "int4"], "genai builder int4",
                                     errors),
     } if "int4" in precisions else {}
     if "int4-sym" in precisions:
-        int4["llmc_compile_int4_sym"] = timed([*llmc, "compile", str(onnx), "-o", str(out / "int4-sym.plan"),
+        int4["llmc_compile_int4_sym"] = timed([*LLMC, "compile", str(onnx), "-o", str(out / "int4-sym.plan"),
                                                "--weights", "int4", "--weights-symmetric", "--precision-config",
                                                str(lm_head), "--force"],
                                               "llmc compile --weights int4 in genai's scheme", errors)
     seconds.update(int4)
     for system, (options, _) in LLMC_OPENVINO.items():
         options = [*options, "--force"] if large else options  # no check of a reduced precision past 2 GB
-        seconds[f"{system}_compile"] = timed([*llmc, "compile", str(onnx), "-o", str(out / f"{system}.plan"),
+        seconds[f"{system}_compile"] = timed([*LLMC, "compile", str(onnx), "-o", str(out / f"{system}.plan"),
                                               "--backend", "openvino", *options], f"llmc compile {system}", errors)
     for system, (options, _) in LLMC_OPENVINO.items() if "int4" in precisions else ():
         seconds[f"{system}_compile_int4"] = timed(
-            [*llmc, "compile", str(onnx), "-o", str(out / f"{system}-int4.plan"), "--backend", "openvino",
+            [*LLMC, "compile", str(onnx), "-o", str(out / f"{system}-int4.plan"), "--backend", "openvino",
              *options, "--weights", "int4", "--force"], f"llmc compile {system} --weights int4", errors)
     shutil.rmtree(out / "genai-cache", ignore_errors=True)
     paths = {"llmc": {"fp32": out / "fp32.plan", "int4": out / "int4.plan", "int4-sym": out / "int4-sym.plan"},
