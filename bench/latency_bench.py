@@ -27,9 +27,10 @@ compared go in pairs (PAIRS: llmc and genai, each of llmc's OpenVINO engines and
 the same precision), the pairs' order rotating from run to run and precision to precision and each
 pair's alternating; a run's systems share its prompts. A pair's two workers load one after the
 other and stay loaded side by side (bench/stepped.py); then each row is measured by one and at once
-by the other, seconds apart. This machine's speed drifts by up to 30% within a minute, and the two
-sides of a row see the same drift: a ratio is the median of the runs' own ratios (`paired_ratio`),
-not of the medians' ratio. A run:
+by the other, seconds apart, and the short rows (batch-1 decode, TTFT at 128 tokens, the batch)
+three times over, alternating, on fresh prompts each time. This machine's speed drifts by up to
+30% within a minute, and the two sides of a take see the same drift: a ratio is the median of the
+takes' own ratios over the runs (`paired_ratio`), not of the medians' ratio. A run:
 
   load + first token  from the top of the child process (its `import llmc` or
                       `import onnxruntime_genai` included) to the first token of a 16-token prompt
@@ -38,7 +39,7 @@ not of the medians' ratio. A run:
                       decode rate = the tokens after the first ÷ their time
   TTFT, 128 tokens    the median of five 128-token prompts, one new token each, one at a time, from
                       adding the request (`ttft_prompts`: the same prompts for every system of a
-                      run; a lone first token of ~0.1 s moves by ±10% here)
+                      take; a lone first token of ~0.1 s moves by ±10% here)
   TTFT, long prompt   two 2,048-token prompts, one new token each; the second is reported
                       (the first, cold, is kept in the JSON)
   decode, batch 16    16 requests of 128 + 128 at once (llmc: added together to one Engine with
@@ -49,7 +50,9 @@ not of the medians' ratio. A run:
                       engine built with `--bf16 --weights int4 --force`)
   one token a step    llmc's runs repeat the batch-1 decode with speculation off (fp32 and
                       weight-only engines guess tokens from the sequence's own text by default:
-                      runtime/prompt_lookup.py); random prompts make a model loop, which guesses well
+                      runtime/prompt_lookup.py); random prompts make a model loop, which guesses well.
+                      An engine whose default is one token a step (bf16 compute) is measured once,
+                      for both rows
   real text           SmolLM2 only, fp32 and int4 (llmc's default scheme): 12 chat prompts (the model's template) asking about, rewriting
                       or summarizing pieces of Python's source (data/pystdlib-text/heldout) or
                       asking general questions, greedy, up to 128 new tokens, stopping at EOS; one
@@ -65,10 +68,10 @@ not of the medians' ratio. A run:
                       beside those rows' figures; the profiler slows them, so the figures are the
                       runs' without it
 
-Prompts are fresh random token ids in every request and run (the same for every system in a run;
-ids ≥ 260, no special tokens; no prefix can be cached), EOS ignored (llmc: ignore_eos; genai:
-min_length = max_length). Rates and latencies are medians over `--reps` runs (default 3; 5 for
-smollm2). The machine's load average is recorded at the start and end.
+Prompts are fresh random token ids in every request, take and run (the same for every system in a
+run; ids ≥ 260, no special tokens; no prefix can be cached), EOS ignored (llmc: ignore_eos; genai:
+min_length = max_length). Rates and latencies are medians over `--reps` runs (default 3) and their
+takes. The machine's load average is recorded at the start and end.
 
     python bench/latency_bench.py [--model llama-25m|smollm2|llama-1b] [--quick] [--json] [--save-json PATH]
                                   [--reps 3] [--threads 2] [--work-dir DIR]
@@ -131,14 +134,13 @@ class Sizes:
     long_prompt: int
     batch: int
     reps: int
+    takes: int  # of the short rows in a run (stepped.TAKEN_AGAIN)
 
 
-FULL = Sizes(prompt=128, new_tokens=128, long_prompt=2048, batch=16, reps=3)
-QUICK = Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=2)
-# SmolLM2 decodes ~5x slower: 64 new tokens keep a run's length near the random Llama's. Its
-# rows sit within a few percent of OpenVINO GenAI's while one run's ratio moves by ±5% (more on
-# int4): 5 runs give the median two runs either side.
-FULL_SMOLLM2 = dataclasses.replace(FULL, new_tokens=64, reps=5)
+FULL = Sizes(prompt=128, new_tokens=128, long_prompt=2048, batch=16, reps=3, takes=3)
+QUICK = Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=2, takes=2)
+# SmolLM2 decodes ~5x slower: 64 new tokens keep a run's length near the random Llama's.
+FULL_SMOLLM2 = dataclasses.replace(FULL, new_tokens=64)
 FULL_1B = dataclasses.replace(FULL, new_tokens=32)
 LARGE_POSITIONS = 2304  # the 1B checkpoint's: the 2,048-token prompt and its token fit
 TEXT_TOKENS = 128  # new tokens at most per real-text prompt
@@ -289,39 +291,43 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     ready["load_first_token_s"] = round(times[0][0] - _T0, 3)
     llmc = job["system"].startswith("llmc")
 
-    def warmup() -> dict[str, Any]:
+    def warmup(take: int) -> dict[str, Any]:
         runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), 4)
         return {}
 
-    def decode() -> dict[str, Any]:
+    def decode(take: int) -> dict[str, Any]:
         out = _rates(*runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"]))
         if llmc and job.get("one_token_a_step"):
-            with runner.one_token_a_step():
-                start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
-            out["plain_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
+            if runner.engine.speculative_tokens:
+                with runner.one_token_a_step():
+                    start, times = runner.generate(_prompts(rng, 1, job["prompt"], runner.vocab), job["new_tokens"])
+                out["plain_decode_tok_s"] = _rates(start, times)["decode_tok_s"]
+            else:  # its default is one token a step: the same measurement
+                out["plain_decode_tok_s"] = out["decode_tok_s"]
         return out
 
-    def long() -> dict[str, Any]:
+    def long(take: int) -> dict[str, Any]:
         if not job.get("long_prompt"):
             return {}
         cold = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
         warm = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
         return {"ttft_long_cold_ms": _rates(*cold)["ttft_ms"], "ttft_long_ms": _rates(*warm)["ttft_ms"]}
 
-    def ttft() -> dict[str, Any]:
-        firsts = [_rates(*runner.generate([prompt], 1))["ttft_ms"] for prompt in ttft_prompts(job, runner.vocab)]
+    def ttft(take: int) -> dict[str, Any]:
+        firsts = [_rates(*runner.generate([prompt], 1))["ttft_ms"]
+                  for prompt in ttft_prompts(job, runner.vocab, take)]
         return {"ttft_ms": _median(firsts)}
 
-    def batch() -> dict[str, Any]:
+    def batch(take: int) -> dict[str, Any]:
         if not job.get("batch"):
             return {}
         start, times = runner.generate(_prompts(rng, job["batch"], job["prompt"], runner.vocab), job["new_tokens"])
         return {"batch_decode_tok_s": _rates(start, times)["decode_tok_s"]}
 
     steps = {"warmup": warmup, "decode": decode, "long": long, "ttft": ttft, "batch": batch,
-             "texts": lambda: _real_text(runner, job) if job.get("texts") else {},
-             "done": lambda: {"peak_rss_mib": _rss_mib("VmHWM")},  # before the profiled runs' engines load
-             "profile": lambda: {"profiles": _profiles(job, rng)} if job.get("profile") else {}}
+             "texts": lambda take: _real_text(runner, job) if job.get("texts") else {},
+             "done": lambda take: {"peak_rss_mib": _rss_mib("VmHWM")},  # before the profiled runs' engines load
+             "profile": lambda take: {"profiles": _profiles(job, rng)} if job.get("profile") else {}}
     return ready, steps
 
 
@@ -354,7 +360,7 @@ def _real_text(runner, job: dict[str, Any]) -> dict[str, Any]:
     """The real-text prompts one at a time (llmc: with its default speculation, then without)."""
     out: dict[str, Any] = {}
     passes = [("text", contextlib.nullcontext)]
-    if job["system"].startswith("llmc"):
+    if job["system"].startswith("llmc") and runner.engine.speculative_tokens:
         passes.append(("plain_text", runner.one_token_a_step))
     for name, setting in passes:
         made, seconds, outputs = 0, 0.0, []
@@ -365,6 +371,8 @@ def _real_text(runner, job: dict[str, Any]) -> dict[str, Any]:
                 outputs.append(tokens)
         out[f"{name}_decode_tok_s"] = round(made / seconds, 2) if seconds else None
         out[f"{name}_outputs"] = outputs
+    if job["system"].startswith("llmc") and len(passes) == 1:  # its default is one token a step
+        out["plain_text_decode_tok_s"], out["plain_text_outputs"] = out["text_decode_tok_s"], out["text_outputs"]
     return out
 
 
@@ -391,12 +399,12 @@ def text_prompts(checkpoint: Path) -> list[list[int]]:
     return prompts
 
 
-def ttft_prompts(job: dict[str, Any], vocab: int) -> list[list[int]]:
-    """The prompts whose first tokens give a run's TTFT at `job["prompt"]` tokens, the same for
-    every system of the run (drawn from the run's seed alone)."""
+def ttft_prompts(job: dict[str, Any], vocab: int, take: int) -> list[list[int]]:
+    """The prompts whose first tokens give a take's TTFT at `job["prompt"]` tokens, the same for
+    every system of the run (drawn from the run's seed and the take alone)."""
     import numpy as np
 
-    return _prompts(np.random.default_rng([job["seed"], TTFT_PROMPTS]), TTFT_PROMPTS, job["prompt"], vocab)
+    return _prompts(np.random.default_rng([job["seed"], TTFT_PROMPTS, take]), TTFT_PROMPTS, job["prompt"], vocab)
 
 
 def openvino_worker(python: Path, hint: str | None, job: dict[str, Any], vocab: int) -> stepped.Worker:
@@ -407,13 +415,15 @@ def openvino_worker(python: Path, hint: str | None, job: dict[str, Any], vocab: 
     import openvino_peer
 
     rng = np.random.default_rng(job["seed"])
+    takes = range(job["takes"])
     peer = {"model": job["path"], "hint": hint, "threads": job["threads"], "new_tokens": job["new_tokens"],
-            "warmup": _prompts(rng, 1, job["prompt"], vocab)[0], "decode": _prompts(rng, 1, job["prompt"], vocab)[0]}
+            "warmup": _prompts(rng, 1, job["prompt"], vocab)[0],
+            "decode": [_prompts(rng, 1, job["prompt"], vocab)[0] for _ in takes]}
     if job.get("long_prompt"):
         peer["long"] = _prompts(rng, 2, job["long_prompt"], vocab)
     if job.get("batch"):
-        peer["batch"] = _prompts(rng, job["batch"], job["prompt"], vocab)
-    peer["ttft"] = ttft_prompts(job, vocab)
+        peer["batch"] = [_prompts(rng, job["batch"], job["prompt"], vocab) for _ in takes]
+    peer["ttft"] = [ttft_prompts(job, vocab, take) for take in takes]
     return openvino_peer.start_worker(peer, python)
 
 
@@ -647,15 +657,18 @@ def log(message: str) -> None:
 
 
 def run_ratios(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str, their_key: str) -> list[float]:
-    """mine[key] ÷ theirs[their_key], each run's figures against the same run's (the "run" field);
-    a run without both is left out."""
-    by_run = {result["run"]: result.get(their_key) for result in theirs}
-    return [result[key] / by_run[result["run"]] for result in mine if result.get(key) and by_run.get(result["run"])]
+    """mine[key] ÷ theirs[their_key], each take's figures against the same run's same take (the
+    "run" and "take" fields); one without both is left out."""
+    def at(result: dict[str, Any]) -> tuple[int, int]:
+        return result["run"], result.get("take", 0)
+
+    by_take = {at(result): result.get(their_key) for result in theirs}
+    return [result[key] / by_take[at(result)] for result in mine if result.get(key) and by_take.get(at(result))]
 
 
 def paired_ratio(mine: list[dict[str, Any]], theirs: list[dict[str, Any]], key: str,
                  their_key: str) -> float | None:
-    """The median of the runs' own ratios (`run_ratios`); None where no run has both."""
+    """The median of the takes' own ratios (`run_ratios`); None where none has both."""
     ratios = run_ratios(mine, theirs, key, their_key)
     return round(_median(ratios), 2) if ratios else None
 
@@ -715,7 +728,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     path = (openvino[OPENVINO_WEIGHTS[precision]] if system in OPENVINO
                             else built["paths"][system][precision])
                     job = {"system": system, "path": str(path), "threads": args.threads, "seed": seed,
-                           "prompt": sizes.prompt, "new_tokens": sizes.new_tokens, "one_token_a_step": True}
+                           "prompt": sizes.prompt, "new_tokens": sizes.new_tokens, "one_token_a_step": True,
+                           "takes": sizes.takes}
                     if precision == "fp32":
                         job.update(long_prompt=sizes.long_prompt, batch=sizes.batch,
                                    profile=system == "llmc" and rep == 0 and not large)
@@ -726,7 +740,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         if texts and precision != "int4-sym":
                             job.update(texts=texts, text_tokens=TEXT_TOKENS)
                         starts.append(lambda job=job: worker(job))
-                for system, result in zip(pair, stepped.run_pair(starts)):
+                for system, result in zip(pair, stepped.run_pair(starts, sizes.takes)):
                     if isinstance(result, Exception):
                         if system not in OPENVINO:
                             raise result
@@ -734,11 +748,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         peer_errors[f"{system} {precision}"] = f"{type(result).__name__}: {str(result).strip()}"[:1000]
                         log(f"run {rep + 1}/{reps} {precision} {system} FAILED: {peer_errors[f'{system} {precision}']}")
                         continue
-                    profiles.update(result.pop("profiles", {}))
-                    runs[system][precision].append({**result, "run": rep})
-                    log(f"run {rep + 1}/{reps} {precision} {system}: " + ", ".join(
-                        f"{k} {v}" for k, v in result.items()
-                        if not k.endswith("_outputs") and k not in ("versions", "scheduler")))
+                    profiles.update(result[0].pop("profiles", {}))
+                    for take, figures in enumerate(result):
+                        runs[system][precision].append({**figures, "run": rep, "take": take})
+                        log(f"run {rep + 1}/{reps} take {take + 1} {precision} {system}: " + ", ".join(
+                            f"{k} {v}" for k, v in figures.items()
+                            if not k.endswith("_outputs") and k not in ("versions", "scheduler")))
 
     limits.append(measure_machine(args.threads))
     machine = better_limits(limits)
@@ -804,7 +819,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         table.append({"measure": label, "key": "build_s", "precision": "fp32", "llmc": round(mine, 2) if ok else None,
                       "genai": theirs, "ratio": round(mine / theirs, 2) if ok else None, "higher_is_better": False,
                       **{key: None for system in OPENVINO for key in (system, f"ratio_{system}")}})
-    versions = next((r["versions"] for s in OPENVINO for p in PRECISIONS for r in runs[s][p]), None)
+    versions = next((r["versions"] for s in OPENVINO for p in PRECISIONS for r in runs[s][p] if "versions" in r), None)
     finished = record.finish(began)
     finished["machine"]["cpu_flags"] = cpu_flags()
     return {
@@ -874,7 +889,7 @@ def render(result: dict[str, Any]) -> str:
                          f"token for token genai's ({agreement['llmc_tokens']} vs {agreement['genai_tokens']} tokens); "
                          f"{agreement['speculation_unchanged']} of {agreement['prompts']} the same as one token a step"
                          + (" (which runs without the padding row: other rounding)" if precision != "fp32" else ""))
-    peak = {s: _median([r["peak_rss_mib"] for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
+    peak = {s: _median([r.get("peak_rss_mib") for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
     lines.append(f"peak resident (VmHWM) of an fp32 run (MiB): llmc {peak['llmc']}, genai {peak['genai']}")
     lines += [f"FAILED build: {what}: {error}" for what, error in result["build_errors"].items()]
     lines += [f"OpenVINO GenAI not measured: {what}: {error}" for what, error in result["peer_errors"].items()]

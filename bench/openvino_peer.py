@@ -20,17 +20,18 @@ loads it there and leaves each measurement for the caller to step, in turn with 
 compute precision (bf16 on CPUs with avx512_bf16 or AMX) or ``job["hint"]`` as its
 INFERENCE_PRECISION_HINT ("f32" to compare like for like), and ``job["properties"]``' other CPU
 properties where a probe sets them (KV_CACHE_PRECISION, ...). Prompts are token ids (the caller
-tokenizes), greedy, EOS ignored (min_new_tokens = max_new_tokens). What a job may ask, each optional:
+tokenizes), greedy, EOS ignored (min_new_tokens = max_new_tokens). What a job may ask, each optional;
+decode, ttft and batch give their prompts for each take of the step (bench/stepped.py), a list:
 
-  decode     one prompt through `LLMPipeline.generate` (OpenVINO's own scheduler behind it: paged
+  decode     a prompt through `LLMPipeline.generate` (OpenVINO's own scheduler behind it: paged
              attention, whole prompt in one step, prefix caching) after a 4-token warm-up on
              ``warmup``; a streamer's calls time the tokens: ``ttft_ms`` from the call to the
              first token, ``decode_tok_s`` = the tokens after the first ÷ their time
   long       prompts run one at a time for one token each: ``ttft_long_cold_ms`` (the first) and
              ``ttft_long_ms`` (the last)
-  ttft       prompts run one at a time for one token each, through the same pipeline:
+  ttft       a take's prompts run one at a time for one token each, through the same pipeline:
              ``ttft_ms`` becomes the median of their first tokens' times
-  batch      prompts added together to a `ContinuousBatchingPipeline` (SchedulerConfig's
+  batch      a take's prompts added together to a `ContinuousBatchingPipeline` (SchedulerConfig's
              defaults, or ``job["scheduler"]``'s fields), stepped to the end:
              ``batch_decode_tok_s`` = tokens made after every request has its first ÷ the time
              from then to the last (latency_bench's rule), ``batch_ttft_ms`` the first request's
@@ -250,47 +251,50 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     pipe = og.LLMPipeline(job["model"], "CPU", **properties)
     ready["load_s"] = round(time.perf_counter() - wall0, 3)
 
-    def warmup() -> dict[str, Any]:
+    batching = None  # the continuous batching pipeline, once the batch step has made it
+
+    def warmup(take: int) -> dict[str, Any]:
         if job.get("warmup"):
             _stream(og, ov, np, pipe, job["warmup"], WARMUP_TOKENS)
         return {}
 
-    def decode() -> dict[str, Any]:
+    def decode(take: int) -> dict[str, Any]:
         if not job.get("decode"):
             return {}
-        start, times = _stream(og, ov, np, pipe, job["decode"], job["new_tokens"])
+        start, times = _stream(og, ov, np, pipe, job["decode"][take], job["new_tokens"])
         return {"ttft_ms": round((times[0] - start) * 1e3, 2),
                 "decode_tok_s": round((len(times) - 1) / (times[-1] - times[0]), 2)}
 
-    def long() -> dict[str, Any]:
+    def long(take: int) -> dict[str, Any]:
         out = {}
         for n, prompt in enumerate(job.get("long", [])):
             start, times = _stream(og, ov, np, pipe, prompt, 1)
             out["ttft_long_cold_ms" if n == 0 else "ttft_long_ms"] = round((times[0] - start) * 1e3, 2)
         return out
 
-    def ttft() -> dict[str, Any]:
-        firsts = [_stream(og, ov, np, pipe, prompt, 1) for prompt in job.get("ttft", [])]
+    def ttft(take: int) -> dict[str, Any]:
+        firsts = [_stream(og, ov, np, pipe, prompt, 1) for prompt in job["ttft"][take]] if job.get("ttft") else []
         return {"ttft_ms": round(float(np.median([(times[0] - start) * 1e3 for start, times in firsts])), 2)} \
             if firsts else {}
 
-    def batch() -> dict[str, Any]:
-        nonlocal pipe
+    def batch(take: int) -> dict[str, Any]:
+        nonlocal pipe, batching
         if not (job.get("batch") or job.get("workload")):
             return {}
-        pipe = None  # its memory back before the continuous batching's model loads
         out: dict[str, Any] = {}
-        scheduler = og.SchedulerConfig()
-        for field, value in job.get("scheduler", {}).items():
-            setattr(scheduler, field, value)
-        out["scheduler"] = {field: getattr(scheduler, field) for field in
-                            ("max_num_batched_tokens", "max_num_seqs", "dynamic_split_fuse", "enable_prefix_caching")}
-        batching = og.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
-        if job.get("warmup"):
-            _drive(og, ov, np, batching, [{"prompt": job["warmup"], "output_len": WARMUP_TOKENS}])
+        if batching is None:
+            pipe = None  # its memory back before the continuous batching's model loads
+            scheduler = og.SchedulerConfig()
+            for field, value in job.get("scheduler", {}).items():
+                setattr(scheduler, field, value)
+            out["scheduler"] = {field: getattr(scheduler, field) for field in ("max_num_batched_tokens", "max_num_seqs",
+                                                                               "dynamic_split_fuse", "enable_prefix_caching")}
+            batching = og.ContinuousBatchingPipeline(job["model"], scheduler, "CPU", properties)
+            if job.get("warmup"):
+                _drive(og, ov, np, batching, [{"prompt": job["warmup"], "output_len": WARMUP_TOKENS}])
         if job.get("batch"):
             start, times = _drive(og, ov, np, batching,
-                                  [{"prompt": p, "output_len": job["new_tokens"]} for p in job["batch"]])
+                                  [{"prompt": p, "output_len": job["new_tokens"]} for p in job["batch"][take]])
             first, last = max(t[0] for t in times), max(t[-1] for t in times)
             after = sum(1 for t in times for x in t if x > first)
             out["batch_ttft_ms"] = round((times[0][0] - start) * 1e3, 2)
@@ -303,7 +307,7 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
                                "throughput_tok_s": round(sum(len(t) for t in times) / wall, 2)}
         return out
 
-    def done() -> dict[str, Any]:
+    def done(take: int) -> dict[str, Any]:
         return {"cpu_per_wall": round((sum(os.times()[:2]) - cpu0) / (time.perf_counter() - wall0), 2)}
 
     return ready, {"warmup": warmup, "decode": decode, "long": long, "ttft": ttft, "batch": batch, "done": done}
@@ -315,7 +319,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
 
     ready, steps = start(job)
     for step in stepped.STEPS:
-        ready.update(steps[step]() if step in steps else {})
+        ready.update(steps[step](0) if step in steps else {})
     return ready
 
 
@@ -343,8 +347,8 @@ def jobs(checkpoint: Path, quick: bool, threads: int) -> dict[str, Any]:
     requests = make_workload(spec, vocab_size=1)  # its lengths and arrivals; the text replaces its ids
     texts = source_prompts(checkpoint, [prompt, prompt, long_prompt, long_prompt] + [prompt] * batch
                            + [len(r.prompt) for r in requests], seed=0)
-    return {"threads": threads, "new_tokens": new_tokens, "warmup": texts[0], "decode": texts[1],
-            "long": texts[2:4], "batch": texts[4:4 + batch],
+    return {"threads": threads, "new_tokens": new_tokens, "warmup": texts[0], "decode": [texts[1]],
+            "long": texts[2:4], "batch": [texts[4:4 + batch]],
             "workload": [{"prompt": text, "output_len": int(r.output_len), "arrival_s": float(r.arrival_s)}
                          for text, r in zip(texts[4 + batch:], requests)]}
 

@@ -223,7 +223,7 @@ def render_llmc_openvino(result: Result) -> list[str]:
     header, rows = ["measure"], []
     for name in systems:
         label, peer = LLMC_OPENVINO[name]
-        header += [label, OPENVINO[peer], "÷", "runs' ÷"]
+        header += [label, OPENVINO[peer], "÷", "pairs' ÷"]
     header += ["machine limit", *(f"{LLMC_OPENVINO[name][0]} of the limit" for name in systems)]
     for row in result.get("table"):
         if not any(row.get(name) for name in systems):
@@ -244,12 +244,13 @@ def render_llmc_openvino(result: Result) -> list[str]:
             "OpenVINO GenAI's int4 with the same compute precision (whose cache is u8 under f32); with `--bf16` "
             "on a CPU with AMX, llmc's int4 runs prompts in bf16 and decodes on a second model in f32 (docs/running.md). "
             "The machine limit is the fp32 one (int4's for the int4 rows): bf16 reads half the weight bytes and has "
-            "twice the peak, so bf16 rows can pass it. \"runs' ÷\": the lowest and highest of the runs' own "
-            "ratios, of which \"÷\" is the median.", ""] + table(header, rows)
+            "twice the peak, so bf16 rows can pass it. \"pairs' ÷\": the lowest and highest of the paired "
+            "measurements' own ratios (each the two systems seconds apart; a run's short rows three times), of "
+            "which \"÷\" is the median.", ""] + table(header, rows)
 
 
 def run_ratio_range(result: Result, system: str, row: dict) -> str:
-    """The range of `row`'s ratio run by run, `system` against its peer in the same run; a one-token-
+    """The range of `row`'s ratio pair by pair (`run_ratios`), `system` against its peer; a one-token-
     a-step row faces the peer's plain rate (it never guesses)."""
     runs, peer, key, precision = result.get("runs", default={}), LLMC_OPENVINO[system][1], row["key"], row["precision"]
     ratios = run_ratios(runs.get(system, {}).get(precision, []), runs.get(peer, {}).get(precision, []), key,

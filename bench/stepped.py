@@ -8,6 +8,10 @@ interpreter and venv where it needs one): the first line on its stdin is its job
 names a step, and it answers each with one JSON line; only the step's own work runs while the
 other worker waits on its stdin.
 
+The short rows (one request's decode, the 128-token prompts, the batch) are each taken `takes`
+times, the workers alternating (A B A B ...), each take on fresh prompts: a ratio per take, a
+second or two apart, rather than one per run. A take is its own set of figures.
+
 Standard library only: OpenVINO GenAI's worker imports it in a venv of its own.
 """
 
@@ -22,19 +26,24 @@ from typing import Any, Callable
 # A run's steps, in order. A worker answers a step it has nothing for with {}; the ones that
 # drop state another needs (OpenVINO GenAI's batch frees its single-request pipeline) come last.
 STEPS = ("warmup", "decode", "texts", "long", "ttft", "batch", "done", "profile")
+TAKEN_AGAIN = ("decode", "ttft", "batch")  # the steps taken `takes` times
 
 
-def serve(start: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Callable[[], dict[str, Any]]]]]) -> None:
+Step = Callable[[int], dict[str, Any]]  # a step's figures at its take (0, 1, ...: which prompts it uses)
+
+
+def serve(start: Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Step]]]) -> None:
     """The worker's side: `start(job)` loads and returns the ready figures and the steps; each step
-    name read from stdin is answered on stdout. Anything else written to stdout (a library's
-    progress) goes to stderr, so that stdout carries the answers alone."""
+    read from stdin (its name and take) is answered on stdout. Anything else written to stdout (a
+    library's progress) goes to stderr, so that stdout carries the answers alone."""
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     ready, steps = start(json.loads(sys.stdin.readline()))
     _answer(answers, ready)
     for line in sys.stdin:
-        step = steps.get(json.loads(line)["step"])
-        _answer(answers, step() if step else {})
+        asked = json.loads(line)
+        step = steps.get(asked["step"])
+        _answer(answers, step(asked["take"]) if step else {})
 
 
 def _answer(answers, figures: dict[str, Any]) -> None:
@@ -52,8 +61,8 @@ class Worker:
         self.process.stdin.flush()
         self.ready = self._read()
 
-    def step(self, name: str) -> dict[str, Any]:
-        self.process.stdin.write(json.dumps({"step": name}) + "\n")
+    def step(self, name: str, take: int = 0) -> dict[str, Any]:
+        self.process.stdin.write(json.dumps({"step": name, "take": take}) + "\n")
         self.process.stdin.flush()
         return self._read()
 
@@ -75,27 +84,30 @@ class Worker:
         return json.loads(line)
 
 
-def run_pair(workers: list[Callable[[], Worker]]) -> list[dict[str, Any] | Exception]:
+def run_pair(workers: list[Callable[[], Worker]], takes: int = 1) -> list[list[dict[str, Any]] | Exception]:
     """Each worker started in turn (loads do not overlap), then STEPS, each taken by every worker
-    before the next step; a worker's figures, or the error that stopped it (the others go on)."""
-    figures: list[dict[str, Any] | Exception] = []
+    before the next step (TAKEN_AGAIN's `takes` times, alternating); a worker's figures, one dict
+    a take (the first also holds the ready figures and the steps taken once), or the error that
+    stopped it (the others go on)."""
+    figures: list[list[dict[str, Any]] | Exception] = []
     started: list[Worker | None] = []
     for make in workers:
         try:
             worker = make()
             started.append(worker)
-            figures.append(dict(worker.ready))
+            figures.append([dict(worker.ready)] + [{} for _ in range(takes - 1)])
         except Exception as exc:  # a peer that cannot load is a result, not the end of the pair
             started.append(None)
             figures.append(exc)
     for step in STEPS:
-        for n, worker in enumerate(started):
-            if worker is None:
-                continue
-            try:
-                figures[n].update(worker.step(step))
-            except Exception as exc:
-                started[n], figures[n] = None, exc
+        for take in range(takes if step in TAKEN_AGAIN else 1):
+            for n, worker in enumerate(started):
+                if worker is None:
+                    continue
+                try:
+                    figures[n][take].update(worker.step(step, take))
+                except Exception as exc:
+                    started[n], figures[n] = None, exc
     for n, worker in enumerate(started):
         if worker is not None:
             try:

@@ -306,7 +306,7 @@ def test_latency_rows_get_the_machine_limit_of_their_work(trained_engine):
     """bench/latency_bench.py's limits, against the model's parameters counted from its config."""
     latency_bench = _load("latency_bench")
     layers, heads, kv_heads, head_dim, body, head = trained_model_shape()
-    sizes = latency_bench.Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=1)
+    sizes = latency_bench.Sizes(prompt=32, new_tokens=16, long_prompt=256, batch=4, reps=1, takes=1)
     machine = {"memory_bytes_per_s": 1e10, "flops_per_s": 1e11, "threads": 2}
     limits = latency_bench.row_limits(trained_engine, machine, sizes, text_prompt=None)
     assert "text_decode_tok_s" not in limits
@@ -431,8 +431,8 @@ def test_llmc_openvino_backend_rows_render_beside_openvino_genai(tree):
     (folder / "latency_smollm2.json").write_text(json.dumps(latency))
     assert run(tree) == 0
     section = output.read_text().split("## Latency")[1].split("\n## ")[0]
-    assert ("| measure | llmc --backend openvino --bf16 | OpenVINO GenAI | ÷ | runs' ÷ | llmc --backend openvino "
-            "--kv-cache-dtype fp16 | OpenVINO GenAI f32 | ÷ | runs' ÷ | machine limit |") in section
+    assert ("| measure | llmc --backend openvino --bf16 | OpenVINO GenAI | ÷ | pairs' ÷ | llmc --backend openvino "
+            "--kv-cache-dtype fp16 | OpenVINO GenAI f32 | ÷ | pairs' ÷ | machine limit |") in section
     assert ("| decode, batch 1, fp32 (tok/s) | 60 | 64 | 0.97 | 0.90–1.05 | 48 | 46 | 1.02 | - | 70 (memory) "
             "| 86% | 69% |") in section
     assert section.count("| decode, static batch of 16") == 1  # rows it did not run are left out of its table

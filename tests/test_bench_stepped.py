@@ -1,5 +1,6 @@
-"""bench/stepped.py: two loaded workers take each measurement step in turn, answer on a clean
-channel, and one that fails is reported without stopping the other."""
+"""bench/stepped.py: two loaded workers take each measurement step in turn (the short rows' steps
+several times, alternating), answer on a clean channel, and one that fails is reported without
+stopping the other."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ FAKE = textwrap.dedent("""
     def start(job):
         print("a library's progress on stdout")
         def step(name):
-            def run():
+            def run(take):
                 print("more noise")
                 if name == job.get("fail_at"):
                     raise RuntimeError("broken on purpose")
-                return {{name: time.perf_counter()}}
+                return {{name: time.perf_counter(), name + "_take": take}}
             return run
         return {{"loaded": job["system"]}}, {{name: step(name) for name in stepped.STEPS if name != "texts"}}
 
@@ -47,23 +48,32 @@ def _start(script: Path, **job):
 
 
 def test_a_pair_takes_each_step_in_turn(fake):
-    first, second = stepped.run_pair([_start(fake, system="a"), _start(fake, system="b")])
-    assert first["loaded"] == "a" and second["loaded"] == "b"
-    steps = [step for step in stepped.STEPS if step != "texts"]
-    assert "texts" not in first and "texts" not in second  # a step a worker lacks answers {}
-    # a's step, then b's same step, then a's next: never two of one worker's steps in a row
-    times = [figures[step] for step in steps for figures in (first, second)]
+    takes = 3
+    first, second = stepped.run_pair([_start(fake, system="a"), _start(fake, system="b")], takes)
+    assert len(first) == len(second) == takes
+    assert first[0]["loaded"] == "a" and second[0]["loaded"] == "b"
+    assert "texts" not in first[0] and "texts" not in second[0]  # a step a worker lacks answers {}
+    # a's step, then b's same step, then a's next (or its next take): never two of one worker's
+    # steps in a row; the steps taken again once a take, the rest once
+    order = [(step, take) for step in stepped.STEPS if step != "texts"
+             for take in range(takes if step in stepped.TAKEN_AGAIN else 1)]
+    times = [figures[take][step] for step, take in order for figures in (first, second)]
     assert times == sorted(times)
+    for figures in (first, second):
+        assert [set(figures[take]) for take in range(1, takes)] == \
+            [{k for step in stepped.TAKEN_AGAIN for k in (step, step + "_take")}] * (takes - 1)
+        assert all(figures[take][step + "_take"] == take for step in stepped.TAKEN_AGAIN for take in range(takes))
 
 
 def test_a_worker_that_fails_is_reported_and_its_partner_finishes(fake):
-    broken, whole = stepped.run_pair([_start(fake, system="a", fail_at="ttft"), _start(fake, system="b")])
+    broken, whole = stepped.run_pair([_start(fake, system="a", fail_at="ttft"), _start(fake, system="b")], 2)
     assert isinstance(broken, RuntimeError) and "a worker exited with 1" in str(broken)
-    assert set(whole) >= {"warmup", "decode", "ttft", "batch", "done", "profile"}
+    assert set(whole[0]) >= {"warmup", "decode", "ttft", "batch", "done", "profile"}
+    assert set(whole[1]) >= {"decode", "ttft", "batch"}
 
 
 def test_a_worker_that_cannot_start_is_reported(tmp_path):
     missing = tmp_path / "missing.py"
-    (figures,) = stepped.run_pair([_start(missing, system="gone")])
+    (figures,) = stepped.run_pair([_start(missing, system="gone")], 2)
     assert isinstance(figures, RuntimeError) and "gone worker exited with 2" in str(figures)
 
