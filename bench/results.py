@@ -440,7 +440,8 @@ BENCHMARKS = [
               "SmolLM2-135M-Instruct built by each system's own tools: batch-1 and static batch-16 decode rates,\n"
               "time to first token, load + first token, resident memory and build times, in fp32 and int4\n"
               "weight-only. Medians of the runs, 2 threads each; the two systems compared stay loaded side by side\n"
-              "and measure each row in turn, and a ratio is the median of the runs' own ratios.",
+              "and measure each row in turn (the short rows three times a run, alternating), and a ratio is the\n"
+              "median of those paired measurements' own ratios.",
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2.json",
               render_latency),
     Benchmark("latency_llama_1b.json", "Latency at 1B parameters: the same rows on a larger model",
