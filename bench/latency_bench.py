@@ -357,11 +357,12 @@ def _profiles(job: dict[str, Any], rng) -> dict[str, dict]:
 
 
 def _real_text(runner, job: dict[str, Any]) -> dict[str, Any]:
-    """The real-text prompts one at a time (llmc: with its default speculation, then without)."""
+    """The real-text prompts one at a time (llmc: with its default speculation, then without; an
+    engine whose default is one token a step runs them once, for both)."""
     out: dict[str, Any] = {}
-    passes = [("text", contextlib.nullcontext)]
-    if job["system"].startswith("llmc") and runner.engine.speculative_tokens:
-        passes.append(("plain_text", runner.one_token_a_step))
+    llmc = job["system"].startswith("llmc")
+    guesses = llmc and runner.engine.speculative_tokens
+    passes = [("text", contextlib.nullcontext)] + ([("plain_text", runner.one_token_a_step)] if guesses else [])
     for name, setting in passes:
         made, seconds, outputs = 0, 0.0, []
         with setting():
@@ -371,7 +372,7 @@ def _real_text(runner, job: dict[str, Any]) -> dict[str, Any]:
                 outputs.append(tokens)
         out[f"{name}_decode_tok_s"] = round(made / seconds, 2) if seconds else None
         out[f"{name}_outputs"] = outputs
-    if job["system"].startswith("llmc") and len(passes) == 1:  # its default is one token a step
+    if llmc and not guesses:
         out["plain_text_decode_tok_s"], out["plain_text_outputs"] = out["text_decode_tok_s"], out["text_outputs"]
     return out
 
