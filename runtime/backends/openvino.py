@@ -263,8 +263,11 @@ def paged_model(engine: EngineFile):
         if call.softcap:
             raise LlmcError(f"{engine.path}: {segment.section}: attention soft-capping ({call.softcap}) has no "
                             "OpenVINO paged attention; compile with --backend onnxruntime")
-        # llmc's [tokens, heads, head dim] is OpenVINO's [tokens, heads · head dim]
-        q, k, v = (ops.reshape(values[n], const([0, -1]), special_zero=True).output(0) for n in call.inputs[:3])
+        # llmc's [tokens, heads, head dim] is OpenVINO's [tokens, heads · head dim]: shapes of fixed
+        # sizes but the tokens, as `collapse_reshapes` needs.
+        heads = (geometry.num_heads, geometry.num_kv_heads, geometry.num_kv_heads)
+        q, k, v = (ops.reshape(values[n], const([-1, h * geometry.head_dim]), special_zero=False).output(0)
+                   for n, h in zip(call.inputs[:3], heads))
         caches = [param(n, ov.Type.dynamic, [-1, geometry.num_kv_heads, paged.block_size, geometry.head_dim])
                   for n in call.inputs[3:5]]
         empty_i32, empty_f32 = const(np.zeros(0)), const(np.zeros(0), np.float32)
@@ -280,10 +283,31 @@ def paged_model(engine: EngineFile):
         for key, value in (("num_k_heads", geometry.num_kv_heads), ("k_head_size", geometry.head_dim),
                            ("num_v_heads", geometry.num_kv_heads), ("v_head_size", geometry.head_dim)):
             attention.get_rt_info()[key] = value
-        shape = const([0, geometry.num_heads, geometry.head_dim])
-        values[call.output] = ops.reshape(attention.output(0), shape, special_zero=True).output(0)
+        shape = const([-1, geometry.num_heads, geometry.head_dim])
+        values[call.output] = ops.reshape(attention.output(0), shape, special_zero=False).output(0)
     order = [n for n in GRAPH_INPUTS if n in params] + [n for n in params if n not in GRAPH_INPUTS]
-    return ov.Model([logits], [params[n] for n in order], "llmc_paged")
+    model = ov.Model([logits], [params[n] for n in order], "llmc_paged")
+    collapse_reshapes(model)
+    return model
+
+
+def collapse_reshapes(model) -> None:
+    """Give every reshape to a fixed shape (a constant that names no input dimension) the value
+    ahead of any chain of reshapes before it: the chain is one reshape. The layout changes at each
+    attention call (the segments' [tokens, heads, head dim] on either side of OpenVINO's [tokens,
+    heads · head dim], and the rotary's own) leave chains the CPU plugin does not merge, every
+    reshape a node each step visits: SmolLM2-135M's decode model ran 273 of them, against 185 in
+    OpenVINO GenAI's export of it, 0.2 ms of a 17 ms step (int4 at f32 compute, 2 threads)."""
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "Reshape":
+            continue
+        shape = node.input_value(1).get_node()
+        if shape.get_type_name() != "Constant" or (node.get_special_zero() and 0 in shape.get_vector()):
+            continue
+        source = node.input_value(0)
+        while source.get_node().get_type_name() == "Reshape":
+            source = source.get_node().input_value(0)
+        node.input(0).replace_source_output(source)
 
 
 def cache_block_shapes(compiled) -> tuple[tuple[int, ...], tuple[int, ...]]:

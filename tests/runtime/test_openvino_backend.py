@@ -568,3 +568,42 @@ def test_rotary_read_with_tokens_as_batch_computes_what_the_3d_op_does(with_posi
     got = run(graph)
     assert got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+
+
+def test_collapsed_reshapes_compute_the_same_and_leave_shapes_that_name_an_input_dimension():
+    """A reshape to a fixed shape skips the reshapes ahead of it; one whose shape copies an input
+    dimension (special zero) keeps its input. OpenVINO's outputs stay what they were."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from llmc.runtime.backends.openvino import collapse_reshapes
+
+    def model():
+        x = ops.parameter([-1, 4, 3], ov.Type.f32, name="x")
+        flat = ops.reshape(x, ops.constant(np.array([-1, 12])), special_zero=False)
+        fixed = ops.reshape(flat, ops.constant(np.array([-1, 2, 6])), special_zero=True)
+        copied = ops.reshape(fixed, ops.constant(np.array([0, -1])), special_zero=True)
+        return ov.Model([ops.relu(copied), ops.relu(fixed)], [x]), fixed, copied
+
+    x = np.random.default_rng(0).standard_normal((5, 4, 3)).astype(np.float32)
+    before, _, _ = model()
+    expected = ov.Core().compile_model(before, "CPU")(x)
+    after, fixed, copied = model()
+    collapse_reshapes(after)
+    assert fixed.input_value(0).get_node().get_friendly_name() == "x"
+    assert copied.input_value(0).get_node() is fixed
+    got = ov.Core().compile_model(after, "CPU")(x)
+    for i in range(2):
+        np.testing.assert_array_equal(got[i], expected[i])
+
+
+def test_an_engines_model_has_no_chain_of_reshapes_to_fixed_shapes(engines):
+    from llmc.runtime.backends.openvino import paged_model
+
+    model = paged_model(read_engine(engines["f32"]))
+    chained = [node.get_friendly_name() for node in model.get_ordered_ops()
+               if node.get_type_name() == "Reshape" and node.input_value(0).get_node().get_type_name() == "Reshape"
+               and node.input_value(1).get_node().get_type_name() == "Constant"
+               and not (node.get_special_zero() and 0 in node.input_value(1).get_node().get_vector())]
+    assert not chained
+    assert sum(node.get_type_name() == "PagedAttentionExtension" for node in model.get_ordered_ops()) > 0
