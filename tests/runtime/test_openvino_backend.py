@@ -607,3 +607,19 @@ def test_an_engines_model_has_no_chain_of_reshapes_to_fixed_shapes(engines):
                and not (node.get_special_zero() and 0 in node.input_value(1).get_node().get_vector())]
     assert not chained
     assert sum(node.get_type_name() == "PagedAttentionExtension" for node in model.get_ordered_ops()) > 0
+
+
+def test_a_steps_inputs_stay_readable_until_the_next_step(engines):
+    """The tensors a step sets point into its arrays without holding them: the backend keeps them
+    until the request's next step. Freed, their memory would be handed out again (here, to arrays
+    filled with -7) while OpenVINO still reads it."""
+    backend = _backend(engines["f32"])
+    ids = _ids(engines["f32"], 40)
+    plan = StepPlan(PACKED, np.array(ids), np.arange(len(ids)),
+                    PagedBatch(np.arange(2, 4)[None], np.array([0]), np.array([0, len(ids)])), np.arange(len(ids)))
+    backend.run(plan)
+    expected = backend.feeds(plan)
+    reused = [np.full(array.shape or 1, -7, array.dtype) for _ in range(64) for array in expected.values()]
+    for name, array in expected.items():
+        np.testing.assert_array_equal(backend.request.get_tensor(name).data, array, err_msg=name)
+    assert len(reused) == 64 * len(expected)
