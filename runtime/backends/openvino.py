@@ -442,7 +442,6 @@ class OpenVinoBackend:
         cache = ("u8" if kind == F32_DECODES else "bf16" if self.precision == "bf16"
                  else "f16" if paged.kv_dtype == "float16" else "f32")
         self.cache_type = getattr(ov.Type, cache)
-        self._tensor = ov.Tensor
         self._bound_inputs: dict[int, dict[str, np.ndarray]] = {}  # each request's arrays under its tensors
         config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": self.precision,
                   "KV_CACHE_PRECISION": cache}
@@ -537,16 +536,19 @@ class OpenVinoBackend:
         return self._infer(self.small_request if small else self.request, plan)
 
     def _infer(self, request, plan: StepPlan) -> np.ndarray:
+        import openvino as ov
+
         with self.timeline.span("openvino step", OPENVINO):
             # Each input a tensor over the step's own array, set by name, then a call without
             # inputs: handing OpenVINO the dict of arrays (`infer(feeds, share_inputs=True)`) made
             # every step 0.5-0.8 ms longer (SmolLM2-135M decodes of 25 ms in bf16, 16 ms int4 at f32).
             # A tensor over an array does not keep the array alive: the arrays stay referenced
             # until the request's next step replaces its tensors.
-            feeds = {name: array if array.flags.c_contiguous else np.ascontiguousarray(array)  # keeps 0-d arrays 0-d
+            # (np.ascontiguousarray only where needed: it makes a 0-d array, max_context_len, 1-d)
+            feeds = {name: array if array.flags.c_contiguous else np.ascontiguousarray(array)
                      for name, array in self.feeds(plan).items()}
             for name, array in feeds.items():
-                request.set_tensor(name, self._tensor(array, shared_memory=True))
+                request.set_tensor(name, ov.Tensor(array, shared_memory=True))
             self._bound_inputs[id(request)] = feeds
             request.infer()
         return np.array(request.get_tensor("logits").data[0])

@@ -597,14 +597,12 @@ def test_collapsed_reshapes_compute_the_same_and_leave_shapes_that_name_an_input
         np.testing.assert_array_equal(got[i], expected[i])
 
 
-def test_an_engines_model_has_no_chain_of_reshapes_to_fixed_shapes(engines):
+def test_an_engines_model_has_no_reshape_of_a_reshape(engines):
     from llmc.runtime.backends.openvino import paged_model
 
     model = paged_model(read_engine(engines["f32"]))
     chained = [node.get_friendly_name() for node in model.get_ordered_ops()
-               if node.get_type_name() == "Reshape" and node.input_value(0).get_node().get_type_name() == "Reshape"
-               and node.input_value(1).get_node().get_type_name() == "Constant"
-               and not (node.get_special_zero() and 0 in node.input_value(1).get_node().get_vector())]
+               if node.get_type_name() == "Reshape" and node.input_value(0).get_node().get_type_name() == "Reshape"]
     assert not chained
     assert sum(node.get_type_name() == "PagedAttentionExtension" for node in model.get_ordered_ops()) > 0
 
@@ -622,4 +620,4 @@ def test_a_steps_inputs_stay_readable_until_the_next_step(engines):
     reused = [np.full(array.shape or 1, -7, array.dtype) for _ in range(64) for array in expected.values()]
     for name, array in expected.items():
         np.testing.assert_array_equal(backend.request.get_tensor(name).data, array, err_msg=name)
-    assert len(reused) == 64 * len(expected)
+    del reused  # held until the inputs were read
