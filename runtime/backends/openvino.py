@@ -22,11 +22,13 @@ On a CPU with AMX, under bf16 compute, steps of up to 16 tokens (decodes) run on
 a second compiled model of the same graph whose products take their weights transposed
 (`weights_transposed`), the form in which the CPU plugin fuses each gate/up/down MLP into one
 AMX kernel (LLMMLP; its pass runs only with AMX and bf16). That kernel decodes faster and
-prefills slower, so longer steps stay on the first model. Measured on a 2-core Xeon with AMX,
+prefills slower, so long steps stay on the first model. Measured on a 2-core Xeon with AMX,
 the two models alternated in one process (medians of 6-12 pairs): a decode step of one sequence
 7-12% shorter (SmolLM2-135M, a 1B Llama), of 16 sequences 2-12% shorter, of 32-64 sequences
-13-23% longer at 1B; a 128-token prompt level (SmolLM2) or 34% longer (1B), 1,024-2,048 tokens
-4-17% longer. The cost: the second model's own repacked weights and buffers (resident after
+13-23% longer at 1B; a prompt of 16-64 tokens 5-8% shorter on SmolLM2, of 128 1% shorter (SmolLM2)
+or 34% longer (1B), 1,024-2,048 tokens 4-17% longer. Since where it stops gaining depends on the
+model, the engine times both models at load on prompts of 32, 64, 128 and 256 tokens and lets the
+fused one take steps up to the last size at which it was faster (`fused_mlp_step_limit`). The cost: the second model's own repacked weights and buffers (resident after
 load: SmolLM2-135M 1.1 GB against 0.7, a 1B Llama 7.5 GB against 4.1), so it is built only where
 the memory available leaves room for it (`SECOND_MODEL_ROOM`), with a warning where it does not,
 and not at all where `BackendOptions.decode_model` is off.
@@ -72,6 +74,7 @@ import logging
 import mmap
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,9 +96,14 @@ GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
 FUSED_MLP, F32_DECODES = "fused MLP", "f32"  # the kinds of decode model (`decode_model`)
 # The largest step each decode model runs, by where it was measured faster than the prompt model
-# (see above): the fused MLP at 1 and 16 tokens, not at 32 or 64; f32 at 1-32 tokens (a 1B Llama
-# int4: 0.66x, 0.65x, 0.78x the time at 1, 16, 32), level at 48, slower at 64.
+# (see above): the fused MLP at 1 and 16 tokens on every model measured; f32 at 1-32 tokens (a 1B
+# Llama int4: 0.66x, 0.65x, 0.78x the time at 1, 16, 32), level at 48, slower at 64.
 DECODE_STEP_TOKENS = {FUSED_MLP: 16, F32_DECODES: 32}
+# Longer steps the fused MLP takes where it is measured faster at load (`fused_mlp_step_limit`):
+# where it stops being faster depends on the model (SmolLM2-135M: through 128 tokens; a 1B Llama:
+# slower from 32 on).
+FUSED_MLP_TRIALS = (32, 64, 128, 256)
+TRIAL_TAKES = 3  # timed calls of each model at each size, after an untimed one (the size's first)
 AMX_FLAGS = ("amx_bf16", "amx_tile")  # what OpenVINO's CPU plugin needs for its fused MLP
 # The pool's NumPy element type for each OpenVINO cache type (NumPy has no bf16: its bits as uint16).
 POOL_STORAGE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "u8": np.uint8}
@@ -146,8 +154,9 @@ def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None =
     if threads is not None and threads < 2:
         return None, "one model for every step (the fused MLP needs 2 threads or more)"
     return FUSED_MLP, (f"steps of up to {DECODE_STEP_TOKENS[FUSED_MLP]} tokens on a second model with OpenVINO's "
-                       "fused MLP (this CPU has AMX; with 2 threads or more, where memory and disk hold twice and "
-                       "once its weights' float32 bytes at load; off with --no-decode-model); prompts on the first")
+                       f"fused MLP, up to {FUSED_MLP_TRIALS[-1]} where timed faster at load (this CPU has AMX; with "
+                       "2 threads or more, where memory and disk hold twice and once its weights' float32 bytes at "
+                       "load; off with --no-decode-model); longer prompts on the first")
 
 
 def weights_transposed(model, folder: Path, room: int | None = None) -> tuple[mmap.mmap | None, str | None]:
@@ -573,6 +582,42 @@ class OpenVinoBackend:
             self._infer(request, StepPlan(PACKED, np.zeros(len(positions), np.int64), positions, batch, starts[1:] - 1))
         if self.transposed_weights is not None:  # the fused MLP repacks its weights at its first call
             self.transposed_weights.madvise(mmap.MADV_DONTNEED)
+            self.decode_step_tokens = fused_mlp_step_limit(self._prompt_seconds)
+            log.info("steps of up to %d tokens run on the fused-MLP model (timed faster than the prompt model "
+                     "up to there)", self.decode_step_tokens)
+
+    def _prompt_seconds(self, tokens: int) -> tuple[float, float] | None:
+        """(decode model, prompt model): the shortest of `TRIAL_TAKES` calls of each on a prompt
+        of `tokens` tokens, the two alternated, each size's first call untimed; None where the
+        step is longer than the backend takes or the pool holds. In blocks no request owns yet."""
+        from llmc.plugins.paged_attention import PagedBatch
+
+        blocks = -(-tokens // self.block_size)
+        if tokens > self.paths.step_tokens or blocks > self.kv.num_blocks:
+            return None
+        plan = StepPlan(PACKED, np.zeros(tokens, np.int64), np.arange(tokens),
+                        PagedBatch(np.arange(blocks)[None], np.array([0]), np.array([0, tokens])), np.array([tokens - 1]))
+        best = {"decode": float("inf"), "prompt": float("inf")}
+        for take in range(TRIAL_TAKES + 1):
+            for model, request in (("decode", self.small_request), ("prompt", self.request)):
+                start = time.perf_counter()
+                self._infer(request, plan)
+                if take:
+                    best[model] = min(best[model], time.perf_counter() - start)
+        return best["decode"], best["prompt"]
+
+
+def fused_mlp_step_limit(prompt_seconds) -> int:
+    """The longest step the fused-MLP model runs: `DECODE_STEP_TOKENS[FUSED_MLP]`, raised through
+    `FUSED_MLP_TRIALS` for as long as `prompt_seconds(tokens)` ((decode model, prompt model) seconds,
+    or None where that step cannot be timed) finds the decode model faster."""
+    limit = DECODE_STEP_TOKENS[FUSED_MLP]
+    for tokens in FUSED_MLP_TRIALS:
+        seconds = prompt_seconds(tokens)
+        if seconds is None or seconds[0] >= seconds[1]:
+            break
+        limit = tokens
+    return limit
 
 
 def deploy_checks(manifest, record) -> None:

@@ -26,8 +26,9 @@ from llmc.plugins.paged_attention import PagedBatch
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.plan import PrecisionOptions
 from llmc.runtime.backends.base import BackendOptions
-from llmc.runtime.backends.openvino import (BLOCK_SIZE, DECODE_STEP_TOKENS, F32_DECODES, FUSED_MLP, compute_precision,
-                                            decode_model, weight_only, weights_transposed)
+from llmc.runtime.backends.openvino import (BLOCK_SIZE, DECODE_STEP_TOKENS, F32_DECODES, FUSED_MLP, FUSED_MLP_TRIALS,
+                                            compute_precision, decode_model, fused_mlp_step_limit, weight_only,
+                                            weights_transposed)
 from llmc.runtime.backends.registry import open_backend
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
@@ -338,6 +339,48 @@ def test_bf16_decodes_on_the_fused_mlp_model_stay_near_the_unmodified_graph(engi
     for got in (fused, plain):
         assert np.abs(got - expected).mean() < 0.05 * expected.std()
     assert fused.argmax() == plain.argmax() == expected.argmax()
+
+
+@pytest.mark.parametrize("faster_through, limit", [(0, 16), (32, 32), (128, 128), (256, 256), (10_000, 256)])
+def test_the_fused_mlp_takes_steps_up_to_the_first_size_timed_slower(faster_through, limit):
+    timed = []
+
+    def prompt_seconds(tokens):
+        timed.append(tokens)
+        return (1.0, 2.0) if tokens <= faster_through else (2.0, 2.0)  # a tie keeps the prompt model
+    assert fused_mlp_step_limit(prompt_seconds) == limit
+    assert timed == [t for t in FUSED_MLP_TRIALS if t <= limit] + [t for t in FUSED_MLP_TRIALS if t > limit][:1]
+    assert fused_mlp_step_limit(lambda tokens: None if tokens > 64 else (1.0, 2.0)) == 64  # longer than the pool
+
+
+@pytest.mark.skipif(not BF16_ON_HERE, reason="the fused-MLP decode model needs bf16")
+def test_a_loaded_engine_runs_on_the_fused_mlp_the_steps_it_timed_faster_there(engines, monkeypatch):
+    """Where the CPU has no AMX, the second model is built as if it had (the plugin then leaves its
+    MLPs unfused): what is checked is that both models are timed and the steps go where timed."""
+    from llmc.runtime.backends import openvino as backend_module
+
+    monkeypatch.setattr(backend_module, "cpu_flags", lambda: cpu_flags() | {"amx_bf16", "amx_tile"})
+    timed = []
+
+    def faster_through_64(backend, tokens):
+        seconds = original(backend, tokens)
+        timed.append((tokens, seconds))
+        return (0.0, 1.0) if tokens <= 64 else (1.0, 0.0)
+    original = backend_module.OpenVinoBackend._prompt_seconds
+    monkeypatch.setattr(backend_module.OpenVinoBackend, "_prompt_seconds", faster_through_64)
+    backend = _backend(engines["bf16"])
+    assert backend.decode_step_tokens == DECODE_STEP_TOKENS[FUSED_MLP] and timed == []  # until it warms up
+    backend.warm_up()
+    assert [tokens for tokens, _ in timed] == [32, 64, 128]
+    assert all(decode > 0 and prompt > 0 for _, (decode, prompt) in timed)  # each model really timed
+    assert backend.decode_step_tokens == 64
+    ran, infer = [], backend._infer
+    backend._infer = lambda request, plan: ran.append(request) or infer(request, plan)
+    for tokens, model in ((64, backend.small_request), (65, backend.request)):
+        ran.clear()
+        backend.run(StepPlan(PACKED, np.zeros(tokens, np.int64), np.arange(tokens),
+                             PagedBatch(np.arange(3)[None], np.array([0]), np.array([0, tokens])), np.array([0])))
+        assert ran == [model]
 
 
 @pytest.mark.skipif(not (BF16_ON_HERE and AMX_HERE), reason="the fused-MLP decode model needs AMX and bf16")
