@@ -25,12 +25,12 @@ from llmc.tokenizer import byte_level_tokenizer
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 ALL_FAMILIES = (*FAMILIES, "llama3", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "gpt_neox")
 VARIANTS = ("qwen2-layer-windows", "phi3-partial-rotary-window", "gpt_neox-sequential")
-# Families that also come at a real model's attention geometry (`real_shape=True`): 8 layers,
-# hidden 512, 8 heads of 64; grouped-query (4 KV heads) but plain multi-head for gpt_neox and
-# gpt2; tied embeddings for qwen2, gemma and gpt2. The MLP (64) and the vocabulary (258) stay small:
-# 7-9 M parameters, 30-37 MB.
+# Families that also come at a real model's attention geometry (`real_shape=True`): hidden 512,
+# 8 heads of 64; grouped-query (4 KV heads) but plain multi-head for gpt_neox and gpt2; tied
+# embeddings for qwen2, gemma and gpt2. The layers (4), the MLP (64) and the vocabulary (258) stay
+# small: 4-5 M parameters; more layers repeat what the first few show and only slow the exports.
 REAL_SHAPE_FAMILIES = ("llama", "qwen2", "mistral", "phi3", "gemma", "gpt_neox", "gpt2")
-_REAL_SHAPE = dict(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, intermediate_size=64)
+_REAL_SHAPE = dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8, intermediate_size=64)
 _REAL_SHAPE_GQA = dict(num_key_value_heads=4, head_dim=64)
 
 # Small configs, vocab 258 to fit the byte-level tokenizer. Each exercises a feature:

@@ -1,6 +1,6 @@
 """Exports at a real model's attention geometry compile paged and generate transformers' tokens.
 
-The checkpoints are hf_checkpoints' REAL_SHAPE_FAMILIES: 8 layers, hidden 512, 8 heads of 64
+The checkpoints are hf_checkpoints' REAL_SHAPE_FAMILIES: 4 layers, hidden 512, 8 heads of 64
 (grouped-query with 4 KV heads; plain multi-head for gpt_neox and gpt2; tied and untied
 embeddings), small MLP and vocabulary: the 2-layer, hidden-64 checkpoints of the other exporter
 tests do not show that `optimum-cli`'s files (no llmc metadata beside config.json) reach the
@@ -66,7 +66,7 @@ def test_real_shape_export_compiles_paged_and_generates_transformers_tokens(chec
     manifest = compile_model(source, tmp_path / "engine.plan")
     assert manifest["paged"] is not None, manifest.get("not_paged")
     reference = hf_model(checkpoint)
-    assert reference.config.num_hidden_layers == 8 and manifest["geometry"]["num_layers"] == 8
+    assert manifest["geometry"]["num_layers"] == reference.config.num_hidden_layers > 1
     completions = LLM(tmp_path / "engine.plan").generate(
         list(PROMPTS), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     for completion in completions:
