@@ -444,6 +444,12 @@ BENCHMARKS = [
               "median of those paired measurements' own ratios.",
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2.json",
               render_latency),
+    Benchmark("latency_smollm2_no_amx.json", "Latency on a CPU without AMX: SmolLM2-135M",
+              "The same rows on a Xeon that shows avx512_bf16, avx512_fp16 and VNNI but not AMX (the CPU kind\n"
+              "OpenVINO GenAI was first measured ahead on): bf16 compute runs on AVX-512 and llmc's OpenVINO\n"
+              "engines get no second model for decodes (it needs AMX).",
+              "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2_no_amx.json",
+              render_latency),
     Benchmark("latency_llama_1b.json", "Latency at 1B parameters: the same rows on a larger model",
               "The same measurements on a Llama of TinyLlama-1.1B's shape (random weights, 4.4 GB in fp32) with\n"
               "2,304 positions: 32 new tokens, no profiled runs; llmc's OpenVINO engines are built with `--force`\n"
@@ -464,6 +470,10 @@ BENCHMARKS = [
               "against onnxruntime-genai in static batches and OpenVINO GenAI's continuous batching; each\n"
               "system's median of 3 rounds, the systems compared back to back, a ratio the median of the rounds'.",
               "python bench/serving_bench.py --model smollm2 --save-json bench/results/serving_smollm2.json",
+              render_serving),
+    Benchmark("serving_smollm2_no_amx.json", "Serving throughput on a CPU without AMX: SmolLM2-135M",
+              "The same SmolLM2-135M workload on the Xeon without AMX of the latency section above.",
+              "python bench/serving_bench.py --model smollm2 --save-json bench/results/serving_smollm2_no_amx.json",
               render_serving),
     Benchmark("serving_llama_1b.json", "Serving throughput at 1B parameters",
               "The same on a Llama of TinyLlama-1.1B's shape (random weights, prompts of real text), 32 requests;\n"
