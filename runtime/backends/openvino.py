@@ -54,10 +54,21 @@ against 10.83 on the one bf16 model with its bf16 cache and 10.85 at f32 with an
 also the cache OpenVINO's CPU plugin keeps where a model names none. The second copy of the
 quantized weights is loaded where the memory available holds three times the engine file.
 
+On a CPU with avx512_bf16 but no AMX, the CPU plugin's bf16 products run on AVX-512: faster than
+f32 where a step reads its weights once for few tokens (half the bytes), slower where it computes
+many. So the split runs the other way (`F32_PROMPTS`): steps of up to 8 tokens on the bf16 model,
+longer ones on the same graph compiled at f32, both over one u8 pool as above. Measured on 2 cores
+of a Xeon without AMX (SmolLM2-135M, alternated in one process, medians of 5): f32 against bf16,
+a decode of one sequence 1.27-1.35x the time, 8-token prompt level, 16 sequences 0.96x, prompts
+of 32, 128 and 1,024 tokens 0.85x, 0.65x, 0.62x; the u8 cache against bf16's level at both
+precisions (up to 1,024 tokens of context). Perplexity, teacher-forced on 768 tokens of held-out
+Python source each fed as a decode step after a 64-token prompt: 12.12, against 12.14 on the one
+bf16 model with its bf16 cache.
+
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
-f32. The pool is kept in the compute precision (bf16 stored as uint16), in u8 for the f32 decode
-model and its bf16 prompt model, or in float16 for an engine compiled with `--kv-cache-dtype fp16`
+f32. The pool is kept in the compute precision (bf16 stored as uint16), in u8 where a bf16 and an
+f32 model share it, or in float16 for an engine compiled with `--kv-cache-dtype fp16`
 (the cache OpenVINO GenAI's exported models ask for): half an f32 pool's bytes. The plugin's
 block size is 32, which `--backend openvino` compiles with.
 
@@ -94,11 +105,14 @@ log = logging.getLogger(__name__)
 
 GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own inputs
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
-FUSED_MLP, F32_DECODES = "fused MLP", "f32"  # the kinds of decode model (`decode_model`)
+# The kinds of decode model (`decode_model`); under F32_PROMPTS the decode model is the bf16 one
+# and the prompt model computes in f32.
+FUSED_MLP, F32_DECODES, F32_PROMPTS = "fused MLP", "f32", "f32 prompts"
 # The largest step each decode model runs, by where it was measured faster than the prompt model
 # (see above): the fused MLP at 1 and 16 tokens on every model measured; f32 at 1-32 tokens (a 1B
-# Llama int4: 0.66x, 0.65x, 0.78x the time at 1, 16, 32), level at 48, slower at 64.
-DECODE_STEP_TOKENS = {FUSED_MLP: 16, F32_DECODES: 32}
+# Llama int4: 0.66x, 0.65x, 0.78x the time at 1, 16, 32), level at 48, slower at 64; bf16 without
+# AMX at 1 token (0.74x), level at 8, slower at 16 sequences (1.04x) and 32 tokens (1.15x).
+DECODE_STEP_TOKENS = {FUSED_MLP: 16, F32_DECODES: 32, F32_PROMPTS: 8}
 # Longer steps the fused MLP takes where it is measured faster at load (`fused_mlp_step_limit`):
 # where it stops being faster depends on the model (SmolLM2-135M: through 128 tokens; a 1B Llama:
 # slower from 32 on).
@@ -136,16 +150,21 @@ def weight_only(manifest) -> bool:
 
 def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None = None,
                  threads: int | None = None) -> tuple[str | None, str]:
-    """(kind, why): which second model decode steps run on, `FUSED_MLP`, `F32_DECODES` or None
-    (one model for every step); `why` in words for `llmc inspect`. Both need bf16 compute and AMX
-    (where they were measured faster). The fused MLP needs float weights and 2 threads or more
-    (OpenVINO 2026.4 fails compiling it for one thread with a floating-point exception); weight-only
-    quantized products decode faster at f32 (`quantized`). `threads` None: not known yet."""
+    """(kind, why): which second model decode steps run on, `FUSED_MLP`, `F32_DECODES`,
+    `F32_PROMPTS` or None (one model for every step); `why` in words for `llmc inspect`. All need
+    bf16 compute. With AMX: the fused MLP needs float weights and 2 threads or more (OpenVINO 2026.4
+    fails compiling it for one thread with a floating-point exception); weight-only quantized
+    products decode faster at f32 (`quantized`). Without AMX, bf16 products run on AVX-512, faster
+    than f32 on a decode (half the weight bytes) and slower on a prompt: prompts go to an f32 model.
+    `threads` None: not known yet."""
     flags = cpu_flags() if flags is None else flags
     if precision != "bf16":
         return None, "one model for every step (a decode model needs bf16 compute)"
     if not set(AMX_FLAGS) <= flags:
-        return None, "one model for every step (a decode model needs AMX)"
+        return F32_PROMPTS, (f"steps of up to {DECODE_STEP_TOKENS[F32_PROMPTS]} tokens in bf16, longer ones on a "
+                             "second model computing in f32 (without AMX, prompts run faster in it), over a u8 KV "
+                             "cache both models share, where memory holds three times the engine file at load; off "
+                             "with --no-decode-model")
     if quantized:
         return F32_DECODES, (f"steps of up to {DECODE_STEP_TOKENS[F32_DECODES]} tokens on a second model computing "
                              "in f32 (weight-only quantized products decode faster in it), over a u8 KV cache both "
@@ -443,17 +462,17 @@ class OpenVinoBackend:
                             f"blocks of {BLOCK_SIZE} (recompile with --backend openvino)")
         self.precision, _ = compute_precision(manifest)
         kind = decode_model(self.precision, weight_only(manifest))[0] if options.decode_model else None
-        if kind == F32_DECODES:
-            kind = self._room_for_f32_decodes(engine)
+        if kind in (F32_DECODES, F32_PROMPTS):
+            kind = self._room_for_two_precisions(engine, kind)
         # Under bf16 compute OpenVINO keeps the cache in bf16 whatever it is asked, except u8, which it
         # also keeps under f32, in the same layout: the cache a bf16 and an f32 model share. Under f32
         # alone, in the engine's type (float16 with --kv-cache-dtype fp16, or from a float16 export).
-        cache = ("u8" if kind == F32_DECODES else "bf16" if self.precision == "bf16"
+        cache = ("u8" if kind in (F32_DECODES, F32_PROMPTS) else "bf16" if self.precision == "bf16"
                  else "f16" if paged.kv_dtype == "float16" else "f32")
         self.cache_type = getattr(ov.Type, cache)
         self._bound_inputs: dict[int, dict[str, np.ndarray]] = {}  # each request's arrays under its tensors
-        config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "INFERENCE_PRECISION_HINT": self.precision,
-                  "KV_CACHE_PRECISION": cache}
+        config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "KV_CACHE_PRECISION": cache,
+                  "INFERENCE_PRECISION_HINT": "f32" if kind == F32_PROMPTS else self.precision}
         if options.threads:
             config["INFERENCE_NUM_THREADS"] = options.threads
         core = ov.Core()
@@ -484,11 +503,12 @@ class OpenVinoBackend:
         compile_model compiled a copy of `model`: it may be rewritten here."""
         if kind == FUSED_MLP:
             kind, _ = decode_model(self.precision, False, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
-        if kind == F32_DECODES:
-            second = _compiled(core, model, {**config, "INFERENCE_PRECISION_HINT": "f32"}, engine)
+        if kind in (F32_DECODES, F32_PROMPTS):  # the other precision of the two
+            second = _compiled(core, model, {**config, "INFERENCE_PRECISION_HINT": "f32" if kind == F32_DECODES
+                                             else self.precision}, engine)
             if cache_block_shapes(second) != cache_block_shapes(compiled):
-                raise LlmcError(f"{engine.path}: OpenVINO lays out a u8 KV cache differently at f32 "
-                                f"({cache_block_shapes(second)}) and bf16 ({cache_block_shapes(compiled)}); "
+                raise LlmcError(f"{engine.path}: OpenVINO lays out a u8 KV cache differently at f32 and bf16 "
+                                f"({cache_block_shapes(second)}, {cache_block_shapes(compiled)}); "
                                 "load it with decode_model off (--no-decode-model)")
             return second
         if kind != FUSED_MLP:
@@ -502,14 +522,16 @@ class OpenVinoBackend:
         return None if self.transposed_weights is None else _compiled(core, model, config, engine)
 
     @staticmethod
-    def _room_for_f32_decodes(engine: EngineFile) -> str | None:
-        """`F32_DECODES` where the memory available holds three times the engine file (two compiled
-        models of its weights, and room for the pool), else None, with a warning."""
+    def _room_for_two_precisions(engine: EngineFile, kind: str) -> str | None:
+        """`kind` (`F32_DECODES` or `F32_PROMPTS`) where the memory available holds three times the
+        engine file (two compiled models of its weights, and room for the pool), else None, with a
+        warning."""
         available, size = available_memory(), engine.path.stat().st_size
         if available is None or 3 * size <= available:
-            return F32_DECODES
-        log.warning("%s: decodes run on the prompt model, in bf16: the %.1f GiB of memory available hold less than "
-                    "three times the engine file's %.1f GiB", engine.path, available / 2**30, size / 2**30)
+            return kind
+        log.warning("%s: %s, in bf16: the %.1f GiB of memory available hold less than three times the engine "
+                    "file's %.1f GiB", engine.path, "decodes run on the prompt model" if kind == F32_DECODES
+                    else "prompts run on the decode model", available / 2**30, size / 2**30)
         return None
 
     def attach(self, kv: KvCache) -> None:

@@ -26,9 +26,9 @@ from llmc.plugins.paged_attention import PagedBatch
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.plan import PrecisionOptions
 from llmc.runtime.backends.base import BackendOptions
-from llmc.runtime.backends.openvino import (BLOCK_SIZE, DECODE_STEP_TOKENS, F32_DECODES, FUSED_MLP, FUSED_MLP_TRIALS,
-                                            compute_precision, decode_model, fused_mlp_step_limit, weight_only,
-                                            weights_transposed)
+from llmc.runtime.backends.openvino import (BLOCK_SIZE, DECODE_STEP_TOKENS, F32_DECODES, F32_PROMPTS, FUSED_MLP,
+                                            FUSED_MLP_TRIALS, compute_precision, decode_model, fused_mlp_step_limit,
+                                            weight_only, weights_transposed)
 from llmc.runtime.backends.registry import open_backend
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import SamplingParams
@@ -91,9 +91,9 @@ def _two_steps(backend, a: list[int], b: list[int]):
     return step1, backend.run(second)
 
 
-def _backend(path):
+def _backend(path, decode_model: bool = True):
     engine = read_engine(path)
-    backend, _ = open_backend(engine, BackendOptions(threads=2), kv_pool_mb=16)
+    backend, _ = open_backend(engine, BackendOptions(threads=2, decode_model=decode_model), kv_pool_mb=16)
     return backend
 
 
@@ -134,7 +134,7 @@ def test_an_f16_cache_under_f32_compute_is_stored_in_the_bound_pool(engines, ref
 
 @pytest.mark.skipif(not BF16_ON_HERE, reason="this CPU has neither avx512_bf16 nor AMX")
 def test_bf16_steps_stay_near_the_unmodified_graph(engines, reference):
-    backend = _backend(engines["bf16"])
+    backend = _backend(engines["bf16"], decode_model=False)  # one model (a second one may share a u8 pool)
     assert backend.precision == "bf16" and backend.kv.pool.dtype == np.uint16  # the pool holds bf16
     # counted in its own 2 bytes: the same MiB hold twice the float32 pool's blocks
     assert backend.kv.num_blocks == 2 * _backend(engines["f32"]).kv.num_blocks
@@ -226,7 +226,7 @@ def test_the_compute_precision_follows_the_engine_and_the_cpu(engines):
         assert "bf16 allowed (perplexity" in text and "compute       bf16 compute (--bf16; this CPU has" in text
 
 
-def test_decodes_get_a_model_of_their_own_only_under_bf16_with_amx(engines):
+def test_a_second_model_of_a_kind_picked_by_the_cpu_only_under_bf16(engines):
     amx = frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})
     assert decode_model("bf16", False, amx)[0] == decode_model("bf16", False, amx, threads=2)[0] == FUSED_MLP
     assert decode_model("bf16", False, amx, threads=1) == (None, "one model for every step (the fused MLP needs 2 "
@@ -236,8 +236,8 @@ def test_decodes_get_a_model_of_their_own_only_under_bf16_with_amx(engines):
     for quantized in (False, True):
         assert decode_model("f32", quantized, amx) == (None, "one model for every step (a decode model needs bf16 "
                                                              "compute)")
-        assert decode_model("bf16", quantized, frozenset({"avx512_bf16"})) == (None, "one model for every step (a "
-                                                                                     "decode model needs AMX)")
+        # without AMX: decodes in bf16, prompts on an f32 model, over a shared u8 cache
+        assert decode_model("bf16", quantized, frozenset({"avx512_bf16"}))[0] == F32_PROMPTS
     text = inspect(engines["f32"]).text()
     assert "decode        one model for every step (a decode model needs bf16 compute)" in text
     assert _backend(engines["f32"]).small_request is None
@@ -449,6 +449,47 @@ def test_int4_prompts_in_bf16_and_decodes_in_f32_share_a_u8_cache(engines, refer
         backend.run(StepPlan(PACKED, np.array(ids[:tokens]), np.arange(tokens),
                              PagedBatch(np.arange(4, 6)[None], np.array([0]), np.array([0, tokens])), np.array([0])))
         assert ran == [model]  # steps of up to 32 tokens on the f32 model, longer ones on the bf16 one
+
+
+@pytest.mark.skipif(not BF16_ON_HERE, reason="this CPU has neither avx512_bf16 nor AMX")
+def test_without_amx_prompts_run_in_f32_and_decodes_in_bf16_over_one_u8_cache(engines, reference, monkeypatch):
+    """A bf16 engine on a CPU without AMX (faked where it has one): prompts on an f32 model, steps of
+    up to 8 tokens on a bf16 one, one u8 pool. The decode reads the keys the f32 prompt model
+    stored: its logits stay as near the unmodified graph as the prompt model's."""
+    import openvino as ov
+
+    from llmc.runtime.backends import openvino as backend_module
+
+    monkeypatch.setattr(backend_module, "cpu_flags", lambda: cpu_flags() - {"amx_bf16", "amx_tile"})
+    path = engines["bf16"]
+    assert "decode        steps of up to 8 tokens in bf16, longer ones on a second model computing in f32" in \
+        inspect(path).text()
+    backend = _backend(path)
+    assert [part.dtype for part in backend.kv.parts] == [np.uint8, np.uint8]
+    precisions = [request.get_compiled_model().get_property("INFERENCE_PRECISION_HINT")
+                  for request in (backend.request, backend.small_request)]
+    assert precisions == [ov.Type.f32, ov.Type.bf16]
+    ids = _ids(path, 41)
+    blocks = np.arange(2, 4)[None]
+    ran, infer = [], backend._infer
+    backend._infer = lambda request, plan: ran.append(request) or infer(request, plan)
+    prompt = backend.run(StepPlan(PACKED, np.array(ids[:-1]), np.arange(40),
+                                  PagedBatch(blocks, np.array([0]), np.array([0, 40])), np.arange(40)))
+    decode = StepPlan(PACKED, np.array(ids[-1:]), np.array([40]), PagedBatch(blocks, np.array([40]), np.array([0, 1])),
+                      np.array([0]))
+    decoded = backend.run(decode)[0]
+    assert ran == [backend.request, backend.small_request]
+    expected = reference(ids)
+    # a u8 cache: logits move by a few hundredths of their spread (int4 weights and u8 measured 0.014-0.019)
+    assert np.abs(prompt - expected[:-1]).mean() < 0.04 * expected.std()
+    assert np.abs(decoded - expected[-1]).mean() < 0.04 * expected.std()
+    assert decoded.argmax() == expected[-1].argmax()
+    for tokens, model in ((DECODE_STEP_TOKENS[F32_PROMPTS], backend.small_request),
+                          (DECODE_STEP_TOKENS[F32_PROMPTS] + 1, backend.request)):
+        ran.clear()
+        backend.run(StepPlan(PACKED, np.array(ids[:tokens]), np.arange(tokens),
+                             PagedBatch(np.arange(4, 6)[None], np.array([0]), np.array([0, tokens])), np.array([0])))
+        assert ran == [model]
 
 
 @pytest.mark.skipif(not (BF16_ON_HERE and AMX_HERE), reason="the f32 decode model needs AMX and bf16")
