@@ -28,8 +28,9 @@ the two models alternated in one process (medians of 6-12 pairs): a decode step 
 13-23% longer at 1B; a prompt of 16-64 tokens 5-8% shorter on SmolLM2, of 128 1% shorter (SmolLM2)
 or 34% longer (1B), 1,024-2,048 tokens 4-17% longer. Since where it stops gaining depends on the
 model, the engine times both models at load on prompts of 32, 64, 128 and 256 tokens and lets the
-fused one take steps up to the last size at which it was faster (`fused_mlp_step_limit`). The cost: the second model's own repacked weights and buffers (resident after
-load: SmolLM2-135M 1.1 GB against 0.7, a 1B Llama 7.5 GB against 4.1), so it is built only where
+fused one take steps up to the last size at which it was faster (`fused_mlp_step_limit`). The
+cost: the second model's own repacked weights and buffers (resident after load: SmolLM2-135M
+1.1 GB against 0.7, a 1B Llama 7.5 GB against 4.1), so it is built only where
 the memory available leaves room for it (`SECOND_MODEL_ROOM`), with a warning where it does not,
 and not at all where `BackendOptions.decode_model` is off.
 
