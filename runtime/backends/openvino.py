@@ -64,7 +64,12 @@ a decode of one sequence 1.27-1.35x the time, 8-token prompt level, 16 sequences
 of 32, 128 and 1,024 tokens 0.85x, 0.65x, 0.62x; the u8 cache against bf16's level at both
 precisions (up to 1,024 tokens of context). Perplexity, teacher-forced on 768 tokens of held-out
 Python source each fed as a decode step after a 64-token prompt: 12.12, against 12.14 on the one
-bf16 model with its bf16 cache.
+bf16 model with its bf16 cache. A weight-only quantized engine there computes in f32 throughout, on
+one model, its cache in the engine's type (`compute_precision`): its int4 or int8 weights are read
+alike at either precision, and bf16 gained nothing. Measured the same way (SmolLM2-135M int4, medians
+of 7, two runs), one f32 model with an f32 or f16 cache against the bf16/f32 split: a decode of one
+sequence 0.93x the time at 128 tokens of context and 0.81-0.86x at 1,024, of 16 sequences 0.83-0.88x,
+prompts of 8-128 tokens 0.96-1.03x, of 1,024 0.82-0.90x.
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
@@ -130,23 +135,28 @@ WEIGHT_ONLY = frozenset({"int4", "int8-weights"})  # the manifest's names of wei
 SECOND_MODEL_ROOM = 2
 
 
-def compute_precision(manifest, flags: frozenset[str] | None = None) -> tuple[str, str]:
-    """(precision, why): "bf16" where the engine allows it and the CPU computes it natively, else
-    "f32"; `why` says which, in words for `llmc inspect` and the load log."""
-    flags = cpu_flags() if flags is None else flags
-    if manifest.build_options.get("compute") != "bf16":
-        return "f32", "fp32 compute (compiled without --bf16)"
-    native = native_bf16(flags)
-    if native:
-        return "bf16", f"bf16 compute (--bf16; this CPU has {', '.join(native)})"
-    return "f32", "fp32 compute: compiled with --bf16, but this CPU has neither avx512_bf16 nor AMX"
-
-
 def weight_only(manifest) -> bool:
     """Whether every linear layer of the engine keeps its weights quantized (`--weights int4` or
     int8): products that OpenVINO's CPU plugin computes faster at f32 on a decode."""
     linears = (manifest.precision or {}).get("linears") or {}
     return bool(linears) and set(linears.values()) <= WEIGHT_ONLY
+
+
+def compute_precision(manifest, flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(precision, why): "bf16" where the engine allows it and the CPU computes it natively, else
+    "f32"; `why` says which, in words for `llmc inspect` and the load log. A weight-only quantized
+    engine computes in f32 on a CPU without AMX: its bf16 products there are no faster on a decode
+    (they read the same int4 or int8 weights) and slower on a prompt."""
+    flags = cpu_flags() if flags is None else flags
+    if manifest.build_options.get("compute") != "bf16":
+        return "f32", "fp32 compute (compiled without --bf16)"
+    native = native_bf16(flags)
+    if not native:
+        return "f32", "fp32 compute: compiled with --bf16, but this CPU has neither avx512_bf16 nor AMX"
+    if weight_only(manifest) and not set(AMX_FLAGS) <= flags:
+        return "f32", ("fp32 compute: compiled with --bf16, but without AMX weight-only quantized products run "
+                       f"faster in f32 (this CPU has {', '.join(native)})")
+    return "bf16", f"bf16 compute (--bf16; this CPU has {', '.join(native)})"
 
 
 def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None = None,

@@ -55,7 +55,6 @@ def engines(trained_onnx, tmp_path_factory):
                                                                                       kv_dtype="float16"))
     if BF16_ON_HERE:
         compile_model(trained_onnx, paths["bf16"], backend="openvino", paged=small, bf16=True)
-    if BF16_ON_HERE and AMX_HERE:
         compile_model(trained_onnx, paths["int4-bf16"], backend="openvino", paged=small, bf16=True,
                       precision=PrecisionOptions(weights="int4", force=True))
     return paths
@@ -219,6 +218,13 @@ def test_the_compute_precision_follows_the_engine_and_the_cpu(engines):
     assert compute_precision(allowed, frozenset({"avx512f", "amx_bf16"}))[0] == "bf16"
     precision, why = compute_precision(allowed, frozenset({"avx512f"}))
     assert precision == "f32" and "neither avx512_bf16 nor AMX" in why
+    # weight-only quantized: bf16 only with AMX
+    int4 = type(f32)(**{**allowed.__dict__, "precision": {"linears": {"layers.0.mlp": "int4", "lm_head": "int8-weights"}}})
+    assert weight_only(int4)
+    assert compute_precision(int4, frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))[0] == "bf16"
+    assert compute_precision(int4, frozenset({"avx512_bf16"})) == (
+        "f32", "fp32 compute: compiled with --bf16, but without AMX weight-only quantized products run faster in f32 "
+        "(this CPU has avx512_bf16)")
     text = inspect(engines["f32"]).text()
     assert "compute       fp32 compute (compiled without --bf16)" in text
     if BF16_ON_HERE:
@@ -236,8 +242,9 @@ def test_a_second_model_of_a_kind_picked_by_the_cpu_only_under_bf16(engines):
     for quantized in (False, True):
         assert decode_model("f32", quantized, amx) == (None, "one model for every step (a decode model needs bf16 "
                                                              "compute)")
-        # without AMX: decodes in bf16, prompts on an f32 model, over a shared u8 cache
-        assert decode_model("bf16", quantized, frozenset({"avx512_bf16"}))[0] == F32_PROMPTS
+    # without AMX (float weights: a quantized engine computes in f32 there): decodes in bf16, prompts
+    # on an f32 model, over a shared u8 cache
+    assert decode_model("bf16", False, frozenset({"avx512_bf16"}))[0] == F32_PROMPTS
     text = inspect(engines["f32"]).text()
     assert "decode        one model for every step (a decode model needs bf16 compute)" in text
     assert _backend(engines["f32"]).small_request is None
@@ -490,6 +497,32 @@ def test_without_amx_prompts_run_in_f32_and_decodes_in_bf16_over_one_u8_cache(en
         backend.run(StepPlan(PACKED, np.array(ids[:tokens]), np.arange(tokens),
                              PagedBatch(np.arange(4, 6)[None], np.array([0]), np.array([0, tokens])), np.array([0])))
         assert ran == [model]
+
+
+@pytest.mark.skipif(not BF16_ON_HERE, reason="this CPU has neither avx512_bf16 nor AMX")
+def test_without_amx_an_int4_bf16_engine_computes_in_f32_on_one_model(engines, reference, monkeypatch):
+    """A weight-only int4 engine compiled with --bf16, on a CPU without AMX (faked where it has one):
+    one f32 model for every step, its cache in the engine's type (f32 here), near the unmodified
+    graph as any int4 engine is."""
+    import openvino as ov
+
+    from llmc.runtime.backends import openvino as backend_module
+
+    monkeypatch.setattr(backend_module, "cpu_flags", lambda: cpu_flags() - {"amx_bf16", "amx_tile"})
+    path = engines["int4-bf16"]
+    text = inspect(path).text()
+    assert "compute       fp32 compute: compiled with --bf16, but without AMX weight-only quantized" in text
+    assert "decode        one model for every step (a decode model needs bf16 compute)" in text
+    backend = _backend(path)
+    assert backend.small_request is None and backend.kv.pool.dtype == np.float32
+    assert backend.request.get_compiled_model().get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    ids = _ids(path, 41)
+    step1, step2 = _two_steps(backend, ids, ids[:20])
+    expected = reference(ids)
+    # int4 weights: logits move by a few hundredths of their spread (f32 cache; u8 measured 0.014-0.019)
+    assert np.abs(step1 - expected[:-1]).mean() < 0.04 * expected.std()
+    assert np.abs(step2[0] - expected[-1]).mean() < 0.04 * expected.std()  # the prompt's keys read from the pool
+    assert np.abs(step2[1:] - expected[:20]).mean() < 0.04 * expected.std()
 
 
 @pytest.mark.skipif(not (BF16_ON_HERE and AMX_HERE), reason="the f32 decode model needs AMX and bf16")
