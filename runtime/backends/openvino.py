@@ -119,6 +119,9 @@ FUSED_MLP, F32_DECODES, F32_PROMPTS = "fused MLP", "f32", "f32 prompts"
 # Llama int4: 0.66x, 0.65x, 0.78x the time at 1, 16, 32), level at 48, slower at 64; bf16 without
 # AMX at 1 token (0.74x), level at 8, slower at 16 sequences (1.04x) and 32 tokens (1.15x).
 DECODE_STEP_TOKENS = {FUSED_MLP: 16, F32_DECODES: 32, F32_PROMPTS: 8}
+# The compute precisions of the prompt model and the decode model where they differ, by kind: the
+# two share a u8 cache, the one type OpenVINO keeps under both.
+SPLIT_PRECISIONS = {F32_DECODES: ("bf16", "f32"), F32_PROMPTS: ("f32", "bf16")}
 # Longer steps the fused MLP takes where it is measured faster at load (`fused_mlp_step_limit`):
 # where it stops being faster depends on the model (SmolLM2-135M: through 128 tokens; a 1B Llama:
 # slower from 32 on).
@@ -473,17 +476,18 @@ class OpenVinoBackend:
                             f"blocks of {BLOCK_SIZE} (recompile with --backend openvino)")
         self.precision, _ = compute_precision(manifest)
         kind = decode_model(self.precision, weight_only(manifest))[0] if options.decode_model else None
-        if kind in (F32_DECODES, F32_PROMPTS):
+        if kind in SPLIT_PRECISIONS:
             kind = self._room_for_two_precisions(engine, kind)
         # Under bf16 compute OpenVINO keeps the cache in bf16 whatever it is asked, except u8, which it
         # also keeps under f32, in the same layout: the cache a bf16 and an f32 model share. Under f32
         # alone, in the engine's type (float16 with --kv-cache-dtype fp16, or from a float16 export).
-        cache = ("u8" if kind in (F32_DECODES, F32_PROMPTS) else "bf16" if self.precision == "bf16"
+        cache = ("u8" if kind in SPLIT_PRECISIONS else "bf16" if self.precision == "bf16"
                  else "f16" if paged.kv_dtype == "float16" else "f32")
         self.cache_type = getattr(ov.Type, cache)
         self._bound_inputs: dict[int, dict[str, np.ndarray]] = {}  # each request's arrays under its tensors
         config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "KV_CACHE_PRECISION": cache,
-                  "INFERENCE_PRECISION_HINT": "f32" if kind == F32_PROMPTS else self.precision}
+                  "INFERENCE_PRECISION_HINT": SPLIT_PRECISIONS[kind][0] if kind in SPLIT_PRECISIONS
+                  else self.precision}
         if options.threads:
             config["INFERENCE_NUM_THREADS"] = options.threads
         core = ov.Core()
@@ -514,9 +518,8 @@ class OpenVinoBackend:
         compile_model compiled a copy of `model`: it may be rewritten here."""
         if kind == FUSED_MLP:
             kind, _ = decode_model(self.precision, False, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
-        if kind in (F32_DECODES, F32_PROMPTS):  # the other precision of the two
-            second = _compiled(core, model, {**config, "INFERENCE_PRECISION_HINT": "f32" if kind == F32_DECODES
-                                             else self.precision}, engine)
+        if kind in SPLIT_PRECISIONS:
+            second = _compiled(core, model, {**config, "INFERENCE_PRECISION_HINT": SPLIT_PRECISIONS[kind][1]}, engine)
             if cache_block_shapes(second) != cache_block_shapes(compiled):
                 raise LlmcError(f"{engine.path}: OpenVINO lays out a u8 KV cache differently at f32 and bf16 "
                                 f"({cache_block_shapes(second)}, {cache_block_shapes(compiled)}); "
@@ -534,7 +537,7 @@ class OpenVinoBackend:
 
     @staticmethod
     def _room_for_two_precisions(engine: EngineFile, kind: str) -> str | None:
-        """`kind` (`F32_DECODES` or `F32_PROMPTS`) where the memory available holds three times the
+        """`kind` (one of `SPLIT_PRECISIONS`) where the memory available holds three times the
         engine file (two compiled models of its weights, and room for the pool), else None, with a
         warning."""
         available, size = available_memory(), engine.path.stat().st_size
