@@ -111,6 +111,7 @@ log = logging.getLogger(__name__)
 
 GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own inputs
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
+INPUT_TYPES = {**dict.fromkeys(GRAPH_INPUTS, np.int64), **dict.fromkeys(LAYOUT_INPUTS, np.int32)}
 # The kinds of decode model (`decode_model`); under F32_PROMPTS the decode model is the bf16 one
 # and the prompt model computes in f32.
 FUSED_MLP, F32_DECODES, F32_PROMPTS = "fused MLP", "f32", "f32 prompts"
@@ -484,7 +485,7 @@ class OpenVinoBackend:
         cache = ("u8" if kind in SPLIT_PRECISIONS else "bf16" if self.precision == "bf16"
                  else "f16" if paged.kv_dtype == "float16" else "f32")
         self.cache_type = getattr(ov.Type, cache)
-        self._bound_inputs: dict[int, dict[str, np.ndarray]] = {}  # each request's arrays under its tensors
+        self._inputs: dict[int, dict[str, np.ndarray]] = {}  # each request's arrays under its input tensors
         config = {"NUM_STREAMS": 1, "PERFORMANCE_HINT": "LATENCY", "KV_CACHE_PRECISION": cache,
                   "INFERENCE_PRECISION_HINT": SPLIT_PRECISIONS[kind][0] if kind in SPLIT_PRECISIONS
                   else self.precision}
@@ -560,21 +561,20 @@ class OpenVinoBackend:
         return [self.request] + ([self.small_request] if self.small_request is not None else [])
 
     def feeds(self, plan: StepPlan) -> dict[str, np.ndarray]:
-        """The step's inputs: OpenVINO's block list holds each sequence's blocks through its new
-        tokens' (it stores them there), flattened."""
+        """The step's inputs, in any integer type (`_infer` writes them into arrays of the model's,
+        `INPUT_TYPES`): OpenVINO's block list holds each sequence's blocks through its new tokens'
+        (it stores them there), flattened. As few NumPy calls as can be: after a step's call, each
+        costs ~10 us of a decode step's few ms (its caches cold)."""
         batch = plan.batch
-        starts = np.asarray(batch.query_start_loc, np.int64)
-        past = np.asarray(batch.context_lens, np.int64)
+        starts, past = np.asarray(batch.query_start_loc), np.asarray(batch.context_lens)
         total = past + np.diff(starts)
         used = -(-total // self.block_size)
         tables = np.asarray(batch.block_tables)
-        blocks = np.concatenate([tables[s, :used[s]] for s in range(len(used))])
-        return {"input_ids": np.asarray(plan.tokens, np.int64)[None],
-                "position_ids": np.asarray(plan.positions, np.int64)[None],
-                "logits_rows": np.asarray(plan.rows, np.int64), "past_lens": past.astype(np.int32),
-                "subsequence_begins": starts.astype(np.int32), "block_indices": blocks.astype(np.int32),
-                "block_indices_begins": np.concatenate([[0], np.cumsum(used)]).astype(np.int32),
-                "max_context_len": np.array(total.max(), np.int32)}
+        blocks = tables[0, :used[0]] if len(used) == 1 else tables[np.arange(tables.shape[1]) < used[:, None]]
+        return {"input_ids": np.asarray(plan.tokens)[None], "position_ids": np.asarray(plan.positions)[None],
+                "logits_rows": np.asarray(plan.rows), "past_lens": past, "subsequence_begins": starts,
+                "block_indices": blocks, "block_indices_begins": np.concatenate(([0], np.cumsum(used))),
+                "max_context_len": total.max()}
 
     def run(self, plan: StepPlan) -> np.ndarray:
         small = self.small_request is not None and len(plan.tokens) <= self.decode_step_tokens
@@ -584,17 +584,18 @@ class OpenVinoBackend:
         import openvino as ov
 
         with self.timeline.span("openvino step", OPENVINO):
-            # Each input a tensor over the step's own array, set by name, then a call without
-            # inputs: handing OpenVINO the dict of arrays (`infer(feeds, share_inputs=True)`) made
-            # every step 0.5-0.8 ms longer (SmolLM2-135M decodes of 25 ms in bf16, 16 ms int4 at f32).
-            # A tensor over an array does not keep the array alive: the arrays stay referenced
-            # until the request's next step replaces its tensors.
-            # (np.ascontiguousarray only where needed: it makes a 0-d array, max_context_len, 1-d)
-            feeds = {name: array if array.flags.c_contiguous else np.ascontiguousarray(array)
-                     for name, array in self.feeds(plan).items()}
-            for name, array in feeds.items():
-                request.set_tensor(name, ov.Tensor(array, shared_memory=True))
-            self._bound_inputs[id(request)] = feeds
+            # Each input a tensor over an array the backend owns, set once per shape: a step whose
+            # input has the last one's shape writes into that array. Setting a new tensor makes the
+            # plugin prepare the request again: 0.5-0.6 ms a step (SmolLM2-135M int4 decodes of
+            # 8 ms, 7% of them), and handing it the dict of arrays (`infer(feeds)`) as much.
+            # A tensor over an array does not keep the array alive: `_inputs` does.
+            held = self._inputs.setdefault(id(request), {})
+            for name, array in self.feeds(plan).items():
+                if name in held and held[name].shape == np.shape(array):
+                    np.copyto(held[name], array, casting="unsafe")  # ids, positions, block numbers: in range
+                else:
+                    held[name] = np.array(array, INPUT_TYPES[name], order="C")  # (max_context_len: 0-d)
+                    request.set_tensor(name, ov.Tensor(held[name], shared_memory=True))
             request.infer()
         return np.array(request.get_tensor("logits").data[0])
 

@@ -724,17 +724,22 @@ def test_an_engines_model_has_no_reshape_of_a_reshape(engines):
     assert sum(node.get_type_name() == "PagedAttentionExtension" for node in model.get_ordered_ops()) > 0
 
 
-def test_a_steps_inputs_stay_readable_until_the_next_step(engines):
-    """The tensors a step sets point into its arrays without holding them: the backend keeps them
-    until the request's next step. Freed, their memory would be handed out again (here, to arrays
-    filled with -7) while OpenVINO still reads it."""
+def test_a_steps_inputs_stay_readable_and_the_next_step_of_their_shapes_replaces_them(engines):
+    """The tensors a step sets point into arrays the backend holds, not the arrays `feeds` made:
+    freed, their memory would be handed out again (here, to arrays filled with -7) while OpenVINO
+    still reads it. A next step whose inputs have the same shapes writes its values into the same
+    arrays, and OpenVINO reads those."""
     backend = _backend(engines["f32"])
     ids = _ids(engines["f32"], 40)
-    plan = StepPlan(PACKED, np.array(ids), np.arange(len(ids)),
-                    PagedBatch(np.arange(2, 4)[None], np.array([0]), np.array([0, len(ids)])), np.arange(len(ids)))
-    backend.run(plan)
-    expected = backend.feeds(plan)
-    reused = [np.full(array.shape or 1, -7, array.dtype) for _ in range(64) for array in expected.values()]
-    for name, array in expected.items():
-        np.testing.assert_array_equal(backend.request.get_tensor(name).data, array, err_msg=name)
-    del reused  # held until the inputs were read
+
+    def plan(tokens, blocks):
+        return StepPlan(PACKED, np.array(tokens), np.arange(len(tokens)),
+                        PagedBatch(blocks[None], np.array([0]), np.array([0, len(tokens)])), np.arange(len(tokens)))
+    for step in (plan(ids, np.arange(2, 4)), plan(ids[::-1], np.arange(5, 7))):
+        backend.run(step)
+        expected = backend.feeds(step)
+        reused = [np.full(np.shape(array) or 1, -7, np.asarray(array).dtype) for _ in range(64)
+                  for array in expected.values()]
+        for name, array in expected.items():
+            np.testing.assert_array_equal(backend.request.get_tensor(name).data, array, err_msg=name)
+        del reused  # held until the inputs were read
