@@ -447,7 +447,8 @@ BENCHMARKS = [
     Benchmark("latency_smollm2_no_amx.json", "Latency on a CPU without AMX: SmolLM2-135M",
               "The same rows on a Xeon that shows avx512_bf16, avx512_fp16 and VNNI but not AMX (as AMD's Zen 4\n"
               "and 5 do): bf16 compute runs on AVX-512, and llmc's `--bf16`\n"
-              "OpenVINO engines run steps of more than 8 tokens on a second model at f32 (docs/running.md).",
+              "OpenVINO engines run steps of more than 8 tokens on a second model at f32, and a weight-only\n"
+              "one computes in f32 throughout (docs/running.md).",
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2_no_amx.json",
               render_latency),
     Benchmark("latency_llama_1b.json", "Latency at 1B parameters: the same rows on a larger model",
