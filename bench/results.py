@@ -458,6 +458,13 @@ BENCHMARKS = [
               "output repeat, which flatters llmc's guessing: read the one-token-a-step rows.",
               "python bench/latency_bench.py --model llama-1b --save-json bench/results/latency_llama_1b.json",
               render_latency),
+    Benchmark("latency_llama_1b_no_amx.json", "Latency at 1B parameters on a CPU without AMX",
+              "The 1B rows above on the Xeon without AMX of the SmolLM2 section before: llmc's `--bf16` OpenVINO\n"
+              "engine runs steps of more than 8 tokens on its second model at f32, its weight-only build computes\n"
+              "in f32 throughout. Random weights make greedy output repeat, which flatters llmc's guessing: read\n"
+              "the one-token-a-step rows.",
+              "python bench/latency_bench.py --model llama-1b --save-json bench/results/latency_llama_1b_no_amx.json",
+              render_latency),
     Benchmark("serving.json", "Serving throughput: llmc against onnxruntime-genai and transformers",
               "A 32M-parameter Llama (random weights) serving 64 requests at once (prompts 16-512 tokens, outputs\n"
               "16-128): llmc's continuous batching against onnxruntime-genai and transformers' `generate` in static\n"
