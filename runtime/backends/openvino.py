@@ -66,8 +66,8 @@ precisions (up to 1,024 tokens of context). Perplexity, teacher-forced on 768 to
 Python source each fed as a decode step after a 64-token prompt: 12.12, against 12.14 on the one
 bf16 model with its bf16 cache. A weight-only quantized engine there computes in f32 throughout, on
 one model, its cache in the engine's type (`compute_precision`): its int4 or int8 weights are read
-alike at either precision, and bf16 gained nothing (int8 not measured apart). Measured the same way (SmolLM2-135M int4, medians
-of 7, two runs), one f32 model with an f32 or f16 cache against the bf16/f32 split: a decode of one
+alike at either precision, and bf16 gained nothing (measured at int4, not int8). Measured the same
+way (SmolLM2-135M int4, medians of 7, two runs), one f32 model with an f32 or f16 cache against the bf16/f32 split: a decode of one
 sequence 0.93x the time at 128 tokens of context and 0.81-0.86x at 1,024, of 16 sequences 0.83-0.88x,
 prompts of 8-128 tokens 0.96-1.03x, of 1,024 0.82-0.90x.
 
