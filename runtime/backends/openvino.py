@@ -67,9 +67,9 @@ Python source each fed as a decode step after a 64-token prompt: 12.12, against 
 bf16 model with its bf16 cache. A weight-only quantized engine there computes in f32 throughout, on
 one model, its cache in the engine's type (`compute_precision`): its int4 or int8 weights are read
 alike at either precision, and bf16 gained nothing (measured at int4, not int8). Measured the same
-way (SmolLM2-135M int4, medians of 7, two runs), one f32 model with an f32 or f16 cache against the bf16/f32 split: a decode of one
-sequence 0.93x the time at 128 tokens of context and 0.81-0.86x at 1,024, of 16 sequences 0.83-0.88x,
-prompts of 8-128 tokens 0.96-1.03x, of 1,024 0.82-0.90x.
+way (SmolLM2-135M int4, medians of 7, two runs), one f32 model with an f32 or f16 cache against the
+bf16/f32 split: a decode of one sequence 0.93x the time at 128 tokens of context and 0.81-0.86x at
+1,024, of 16 sequences 0.83-0.88x, prompts of 8-128 tokens 0.96-1.03x, of 1,024 0.82-0.90x.
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
