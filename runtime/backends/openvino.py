@@ -128,7 +128,8 @@ SPLIT_PRECISIONS = {F32_DECODES: ("bf16", "f32"), F32_PROMPTS: ("f32", "bf16")}
 # slower from 32 on).
 FUSED_MLP_TRIALS = (32, 64, 128, 256)
 TRIAL_TAKES = 3  # timed calls of each model at each size, after an untimed one (the size's first)
-AMX_FLAGS = ("amx_bf16", "amx_tile")  # what OpenVINO's CPU plugin needs for its fused MLP
+# AMX: what the CPU plugin's fused MLP needs; without it, bf16 products run on AVX-512.
+AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})
 # The pool's NumPy element type for each OpenVINO cache type (NumPy has no bf16: its bits as uint16).
 POOL_STORAGE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "u8": np.uint8}
 WEIGHT_ONLY = frozenset({"int4", "int8-weights"})  # the manifest's names of weight-only quantized linears
@@ -157,7 +158,7 @@ def compute_precision(manifest, flags: frozenset[str] | None = None) -> tuple[st
     native = native_bf16(flags)
     if not native:
         return "f32", "fp32 compute: compiled with --bf16, but this CPU has neither avx512_bf16 nor AMX"
-    if weight_only(manifest) and not set(AMX_FLAGS) <= flags:
+    if weight_only(manifest) and not AMX_FLAGS <= flags:
         return "f32", ("fp32 compute: compiled with --bf16, but without AMX weight-only quantized products run "
                        f"faster in f32 (this CPU has {', '.join(native)})")
     return "bf16", f"bf16 compute (--bf16; this CPU has {', '.join(native)})"
@@ -175,7 +176,7 @@ def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None =
     flags = cpu_flags() if flags is None else flags
     if precision != "bf16":
         return None, "one model for every step (a decode model needs bf16 compute)"
-    if not set(AMX_FLAGS) <= flags:
+    if not AMX_FLAGS <= flags:
         return F32_PROMPTS, (f"steps of up to {DECODE_STEP_TOKENS[F32_PROMPTS]} tokens in bf16, longer ones on a "
                              "second model computing in f32 (without AMX, prompts run faster in it), over a u8 KV "
                              "cache both models share, where memory holds three times the engine file at load; off "

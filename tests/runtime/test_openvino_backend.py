@@ -219,7 +219,8 @@ def test_the_compute_precision_follows_the_engine_and_the_cpu(engines):
     precision, why = compute_precision(allowed, frozenset({"avx512f"}))
     assert precision == "f32" and "neither avx512_bf16 nor AMX" in why
     # weight-only quantized: bf16 only with AMX
-    int4 = type(f32)(**{**allowed.__dict__, "precision": {"linears": {"layers.0.mlp": "int4", "lm_head": "int8-weights"}}})
+    linears = {"layers.0.mlp": "int4", "lm_head": "int8-weights"}
+    int4 = type(f32)(**{**allowed.__dict__, "precision": {"linears": linears}})
     assert weight_only(int4)
     assert compute_precision(int4, frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}))[0] == "bf16"
     assert compute_precision(int4, frozenset({"avx512_bf16"})) == (
