@@ -24,7 +24,7 @@ import numpy as np
 
 from llmc.errors import LlmcError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,11 @@ class PagedLayout:
     # None where the engine has none (compiler/paged_engine.py `single_sequence_graph` says
     # when; a TensorRT engine runs every step on its one engine).
     single_sequence: str | None
+
+
+# The metadata key of a single-sequence graph that leaves room for a lone token's padding row
+# (passes/lower_single_sequence.py), "1" where it does.
+PADDING_ROW = "llmc.padding_row"
 
 
 @dataclass(frozen=True)

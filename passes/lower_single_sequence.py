@@ -19,8 +19,6 @@ Input: the graph the paged lowering takes (level 2, 3-D Attention nodes reading
              seqlens_k [sequences] int32             positions each holds after the step, minus one
              total_sequence_length [] int32          the most positions one holds after the step
              logits_rows [rows]                      which of the step's tokens get logits
-             padding_rows [1]                        (with pad_lone_token) 1: a padding row for
-                                                     the step's one token, else 0
     outputs  logits [1, rows, vocab]
              present.{i}.key|value                   the same buffer (bound to the same memory)
 
@@ -30,21 +28,25 @@ projection and applies rotary itself (do_rotary) from cos/sin tables of every po
 `positions`, evaluated here from the graph's own table subgraph: the Split, the two
 RotaryEmbedding nodes and the per-step table computation leave the step (measured on the 25M
 Llama, int4: 66 small ops a step → 28). Elsewhere rotary stays where the passes put it and the op
-gets query, key and value apart. Around the op the packed tokens are reshaped to
-[sequences, tokens each, width] and back (no copy). A layer's window becomes local_window_size (the keys a query
+gets query, key and value apart. The op reads the step's tokens as [sequences, tokens each,
+width]: where every other node of the step gives the same values in that layout (elementwise
+ops, products by a weight, norms over the last axis; `_layout_free`), the token inputs are
+reshaped to it once and the whole step runs in it, else each op's inputs are reshaped to it and
+its output back (no copy either way). A layer's window becomes local_window_size (the keys a query
 sees, its own included, as the paged op counts them) and the Attention's softcap carries over.
 
-With `pad_lone_token`, a step of a single token gives the op a second, zero row when the
-`padding_rows` input asks (its output sliced off; its keys and values land one position past the
-sequence's, where the next step writes). onnxruntime computes a lone query row with another
-matrix kernel than two or more, whose rounding differs (2.7e-7 in the attention output), while
-rows of two or more come out bit for bit the same however many there are. So a padded sequence's
-logits do not depend on how many tokens its steps held, which keeps speculative decoding
-(runtime/prompt_lookup.py) exact on engines whose linear layers quantize their input
-(MatMulNBits' int8 compute turns such rounding into different codes, then different tokens);
-a request that does not guess runs unpadded. The buffer and the rotary tables then hold one
-position more than `positions`. Where linear layers are fp32 MatMuls, which round a lone row
-differently too, it is left out.
+With `pad_lone_token` (the graph's metadata then says `PADDING_ROW`), the runtime may give a
+step of a single token a padding row: the same token again, one position on, its keys and values
+landing one past the sequence's, where the next step writes, and its logits not asked for.
+onnxruntime computes a lone query row with another attention kernel than two or more, whose
+rounding differs (2.7e-7 in the attention output), while rows of two or more come out bit for bit
+the same however many there are, and the linear layers compute each row alone. So a padded
+sequence's logits do not depend on how many tokens its steps held, which keeps speculative
+decoding (runtime/prompt_lookup.py) exact on engines whose linear layers quantize their input
+(MatMulNBits' int8 compute turns such rounding into different codes, then different tokens); a
+request that does not guess runs unpadded, with nothing of the padding in its graph. The buffer
+and the rotary tables then hold one position more than `positions`. Where linear layers are fp32
+MatMuls, which round a lone row differently too, it is left out.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 from llmc.errors import LlmcError
+from llmc.formats.manifest import PADDING_ROW
 from llmc.formats.onnx_io import tensor_array
 from llmc.passes import contrib_ops
 from llmc.passes.base import Pass, PassResult
@@ -64,12 +67,10 @@ from llmc.passes.graph import Graph, attr
 from llmc.passes.lower_paged_attention import attentions_by_layer, drop_stale_inputs, select_logit_rows, stale_inputs
 
 STAGE = "single-sequence lowering"
-SEQUENCES_SHAPE = "single.sequences_shape"  # [sequences, -1, 0]: the step's tokens, sequence by sequence
-PACKED_SHAPE = "single.packed_shape"  # [1, -1, 0]: back to the rest of the graph's packed tokens
-TOKENS = "single.tokens"  # [1]: the step's tokens, all sequences'
-PADS = "single.pads"  # the Pad that gives a lone token a second row: [0, 0, 0, 0, 1 or 0, 0]
-PADDING_ROWS = "padding_rows"  # the input that asks for it
-PADDED_SEQLENS, PADDED_TOTAL = "single.seqlens_k", "single.total_sequence_length"  # counting that row
+# The step's tokens sequence by sequence: [sequences, -1] for the token inputs where the whole step
+# runs so, else [sequences, -1, 0] for each attention op's inputs.
+SEQUENCES_SHAPE = "single.sequences_shape"
+PACKED_SHAPE = "single.packed_shape"  # [1, -1, 0]: back to the step's tokens packed
 
 
 class LowerSingleSequence(Pass):
@@ -81,9 +82,10 @@ class LowerSingleSequence(Pass):
             windows: each layer's attention window, 0 for full attention; None: all full.
             positions: the most positions a sequence reaches (the rotary tables' length); None
                 leaves rotary embedding out of the attention op.
-            pad_lone_token: the `padding_rows` input (module docstring). A padded step of one
-                token costs 10-20% more (25M Llama int4: the op's two-row path), and is of no
-                use where the linear layers round a lone row differently anyway (fp32 MatMul).
+            pad_lone_token: room for a lone token's padding row (module docstring). A padded step
+                of one token costs more (SmolLM2-135M int4: 12%, two rows through every layer),
+                and is of no use where the linear layers round a lone row differently anyway
+                (fp32 MatMul).
         """
         self.windows = None if windows is None else tuple(windows)
         self.positions = positions
@@ -106,53 +108,68 @@ class LowerSingleSequence(Pass):
         lowered = {id(a) for a in attentions.values()}
         nodes = [n for n in model.graph.node if id(n) not in lowered and "position_ids" not in n.output]
         tables: dict[tuple[str, str], tuple[str, str]] = {}  # rotary tables by the cos/sin they replace
-        rotary, pad = 0, self.pad_lone_token
+        calls = []  # each layer's (attention node, query/key/value inputs, rotary tables)
         for layer in range(layers):
             attention = attentions[layer]
-            scale = attr(attention, "scale")
-            window = windows[layer]
             packed = self._packed_rotary(graph, attention, head_dim) if self.positions else None
             if packed is None:
-                qkv, caches = list(attention.input[:3]), []
-            else:
-                projection, cos, sin = packed
-                if (cos, sin) not in tables:
-                    tables[cos, sin] = self._tables(model, graph, cos, sin, len(tables))
-                qkv, caches = [projection, "", ""], list(tables[cos, sin])
-                rotary += 1
-            # The step's tokens as [sequences, tokens each, width] for the op, a lone token padded
-            # to two, and back.
-            batched = [f"single.{layer}.{part}" if name else "" for part, name in zip("qkv", qkv)]
-            for name, out in zip(qkv, batched):
-                if name:
-                    reshaped = f"{out}/unpadded" if pad else out
-                    nodes.append(helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [reshaped], name=f"{out}/Reshape"))
-                    if pad:
-                        nodes.append(helper.make_node("Pad", [reshaped, PADS], [out], name=f"{out}/Pad"))
-            attended = f"single.{layer}.attended"
+                calls.append((attention, list(attention.input[:3]), []))
+                continue
+            projection, cos, sin = packed
+            if (cos, sin) not in tables:
+                tables[cos, sin] = self._tables(model, graph, cos, sin, len(tables))
+            calls.append((attention, [projection, "", ""], list(tables[cos, sin])))
+        # The op reads the step's tokens as [sequences, tokens each, width]: the whole step runs in
+        # that layout where every other node gives the same values in it (`_layout_free`), else
+        # each op reshapes its inputs to it and its output back (two nodes a layer: 3-4% of
+        # SmolLM2-135M int4's decode step).
+        whole_step = _layout_free(graph, _live(nodes, ["logits", *(n for call in calls for n in call[1] if n)]),
+                                  {"input_ids", "position_ids", *(call[0].output[0] for call in calls)})
+        for layer, (attention, qkv, caches) in enumerate(calls):
+            scale, window = attr(attention, "scale"), windows[layer]
+            batched = [f"single.{layer}.{part}" if name and not whole_step else name for part, name in zip("qkv", qkv)]
+            if not whole_step:
+                nodes.extend(helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [out], name=f"{out}/Reshape")
+                             for name, out in zip(qkv, batched) if name)
+            attended = attention.output[0] if whole_step else f"single.{layer}.attended"
             nodes.append(helper.make_node(
                 "GroupQueryAttention",
                 [*batched, f"past_key_values.{layer}.key", f"past_key_values.{layer}.value",
-                 *((PADDED_SEQLENS, PADDED_TOTAL) if pad else ("seqlens_k", "total_sequence_length")), *caches],
+                 "seqlens_k", "total_sequence_length", *caches],
                 [attended, f"present.{layer}.key", f"present.{layer}.value"],
                 name=f"single.{layer}/GroupQueryAttention", domain=contrib_ops.DOMAIN,
                 num_heads=attr(attention, "q_num_heads"), kv_num_heads=kv_heads,
                 scale=float(head_dim ** -0.5 if scale is None else scale),
                 softcap=float(attr(attention, "softcap", 0.0)),
-                local_window_size=window if window else -1, do_rotary=int(packed is not None)))
-            repacked = f"{attended}/packed" if pad else attention.output[0]
-            nodes.append(helper.make_node("Reshape", [attended, PACKED_SHAPE], [repacked], name=f"{repacked}/Reshape"))
-            if pad:  # the padding row's output off
-                nodes.append(helper.make_node("Slice", [repacked, "single.zero", TOKENS, "single.one"],
-                                              [attention.output[0]], name=f"{attention.output[0]}/Slice"))
-        nodes[:0] = self._step_shapes(pad)
-        constants = [("single.tokens_width", [-1, 0]), (PACKED_SHAPE, [1, -1, 0])]
-        constants += [("single.zero", [0]), ("single.one", [1]), ("single.no_pads", [0, 0, 0, 0])] \
-            if pad else []
-        model.graph.initializer.extend(numpy_helper.from_array(np.array(value, np.int64), name) for name, value in constants)
+                local_window_size=window if window else -1, do_rotary=int(bool(caches))))
+            if not whole_step:
+                nodes.append(helper.make_node("Reshape", [attended, PACKED_SHAPE], [attention.output[0]],
+                                              name=f"{attended}/Reshape"))
+        shapes = [helper.make_node("Shape", ["seqlens_k"], ["single.sequences"], name="single.sequences/Shape"),
+                  helper.make_node("Concat", ["single.sequences", "single.tokens_width"], [SEQUENCES_SHAPE],
+                                   name=f"{SEQUENCES_SHAPE}/Concat", axis=0)]
+        read = {name for node in nodes for name in node.input}
+        if whole_step:  # the step's token inputs to [sequences, tokens each]
+            for name in ("input_ids", "position_ids"):
+                if name not in read:
+                    continue
+                for node in nodes:
+                    node.input[:] = [f"{name}/sequences" if i == name else i for i in node.input]
+                shapes.append(helper.make_node("Reshape", [name, SEQUENCES_SHAPE], [f"{name}/sequences"],
+                                               name=f"{name}/sequences/Reshape"))
+        nodes[:0] = shapes
+        model.graph.initializer.extend(numpy_helper.from_array(np.array(value, np.int64), name) for name, value in
+                                       (("single.tokens_width", [-1] if whole_step else [-1, 0]),
+                                        (PACKED_SHAPE, [1, -1, 0])))
         del model.graph.node[:]
         model.graph.node.extend(nodes)
-        model.graph.node.append(select_logit_rows(Graph(model)))
+        rows = select_logit_rows(Graph(model))
+        if whole_step:  # the logits rows count the step's tokens packed
+            packed_rows = f"{rows.input[0]}/packed"
+            model.graph.node.append(helper.make_node("Reshape", [rows.input[0], PACKED_SHAPE], [packed_rows],
+                                                     name=f"{packed_rows}/Reshape"))
+            rows.input[0] = packed_rows
+        model.graph.node.append(rows)
         vocab = next(o for o in model.graph.output if o.name == "logits").type.tensor_type.shape.dim[2].dim_value
 
         value = helper.make_tensor_value_info
@@ -163,7 +180,6 @@ class LowerSingleSequence(Pass):
                        for layer in range(layers) for part in ("key", "value")]
         new_inputs += [value("seqlens_k", TensorProto.INT32, ["sequences"]), value("total_sequence_length", TensorProto.INT32, []),
                        value("logits_rows", TensorProto.INT64, ["rows"])]
-        new_inputs += [value(PADDING_ROWS, TensorProto.INT64, [1])] if pad else []
         outputs = [value("logits", dtype, [1, "rows", vocab])]
         outputs += [value(f"present.{layer}.{part}", dtype, buffer) for layer in range(layers) for part in ("key", "value")]
         del model.graph.input[:]
@@ -173,29 +189,15 @@ class LowerSingleSequence(Pass):
         del model.graph.value_info[:]  # the interface's shapes changed; the check infers them again
         if not any(o.domain == contrib_ops.DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(contrib_ops.DOMAIN, 1))
+        if self.pad_lone_token:
+            model.metadata_props.add(key=PADDING_ROW, value="1")
         # Only the attention op may read a past input: its length here is the buffer's, not the past's.
         drop_stale_inputs(model, stale_inputs(inputs), STAGE, "the single-sequence interface",
                           allowed=("GroupQueryAttention",))
-        return PassResult(model, layers, [f"{layers} layers, {rotary} with rotary inside attention"])
-
-    @staticmethod
-    def _step_shapes(padded: bool) -> list[onnx.NodeProto]:
-        """The nodes every layer's reshapes read (SEQUENCES_SHAPE) and, where `padded`, its
-        padding: TOKENS, PADS and the op's sequence lengths counting the padding row."""
-        node = helper.make_node
-        pad = PADDING_ROWS
-        shapes = [node("Shape", ["seqlens_k"], ["single.sequences"], name="single.sequences/Shape"),
-                  node("Concat", ["single.sequences", "single.tokens_width"], [SEQUENCES_SHAPE],
-                       name=f"{SEQUENCES_SHAPE}/Concat", axis=0)]
-        if not padded:
-            return shapes
-        return shapes + [
-            node("Shape", ["input_ids"], [TOKENS], name=f"{TOKENS}/Shape", start=1, end=2),
-            node("Concat", ["single.no_pads", pad, "single.zero"], [PADS], name=f"{PADS}/Concat", axis=0),
-            node("Cast", [pad], [f"{pad}/int32"], name=f"{pad}/CastInt32", to=TensorProto.INT32),
-            node("Add", ["seqlens_k", f"{pad}/int32"], [PADDED_SEQLENS], name=f"{PADDED_SEQLENS}/Add"),
-            node("Squeeze", [f"{pad}/int32"], [f"{pad}/scalar"], name=f"{pad}/Squeeze"),
-            node("Add", ["total_sequence_length", f"{pad}/scalar"], [PADDED_TOTAL], name=f"{PADDED_TOTAL}/Add")]
+        rotary = sum(bool(caches) for _, _, caches in calls)
+        layout = "the whole step" if whole_step else "each attention op"
+        return PassResult(model, layers, [f"{layers} layers, {rotary} with rotary inside attention, "
+                                          f"[sequences, tokens each] through {layout}"])
 
     @staticmethod
     def _packed_rotary(graph: Graph, attention: onnx.NodeProto, head_dim: int) -> tuple[str, str, str] | None:
@@ -247,3 +249,62 @@ class LowerSingleSequence(Pass):
             table = np.concatenate([value[0], value[0][-1:]]) if self.pad_lone_token else value[0]
             model.graph.initializer.append(numpy_helper.from_array(table, name))
         return names
+
+
+# Ops whose values come out the same whether the step's tokens are [1, tokens, ...] or
+# [sequences, tokens each, ...] (`_layout_free`): elementwise, products by a weight, and, over
+# the last axis, norms, softmax, splits and concatenations.
+ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Exp", "Tanh", "Erf",
+                         "Sigmoid", "Relu", "Gelu", "FastGelu", "QuickGelu", "Softplus", "Cast", "Identity", "Clip",
+                         "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"})
+LAST_AXIS = frozenset({"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization",
+                       "SkipSimplifiedLayerNormalization", "SkipLayerNormalization", "Softmax", "Split", "Concat"})
+WEIGHT_PRODUCTS = frozenset({"MatMul", "MatMulNBits", "MatMulInteger"})
+
+
+def _live(nodes: list[onnx.NodeProto], roots: list[str]) -> list[onnx.NodeProto]:
+    """The nodes of `nodes` that the values `roots` are computed from."""
+    producer = {name: node for node in nodes for name in node.output if name}
+    live, stack = {}, list(roots)
+    while stack:
+        node = producer.get(stack.pop())
+        if node is not None and id(node) not in live:
+            live[id(node)] = node
+            stack.extend(name for name in node.input if name)
+    return list(live.values())
+
+
+def _layout_free(graph: Graph, nodes: list[onnx.NodeProto], tokens: set[str]) -> bool:
+    """Whether every node of `nodes` that reads a value of the step's tokens (`tokens`, and what
+    is computed from them) gives the same values with the tokens laid out [sequences, tokens
+    each] as [1, tokens]: an op of the sets above, whose other inputs are weights that broadcast
+    over the tokens (at most one dimension of more than one element, the last), on the last axis."""
+    tokens, reading = set(tokens), {}
+    while True:  # the nodes are not in order yet: until no node adds a value computed from the tokens
+        new = [node for node in nodes if id(node) not in reading and any(name in tokens for name in node.input)]
+        if not new:
+            break
+        for node in new:
+            reading[id(node)] = node
+            tokens.update(name for name in node.output if name)
+    return all(_keeps_layout(graph, node, tokens) for node in reading.values())
+
+
+def _keeps_layout(graph: Graph, node: onnx.NodeProto, tokens: set[str]) -> bool:
+    op, others = node.op_type, [name for name in node.input if name and name not in tokens]
+    if node.domain not in ("", "ai.onnx", contrib_ops.DOMAIN):
+        return False
+    if op == "Gather":  # an embedding: a table looked up by the tokens
+        return attr(node, "axis", 0) == 0 and node.input[0] in graph.initializers and node.input[1] in tokens
+    if op in WEIGHT_PRODUCTS:  # the tokens times a matrix (MatMulNBits: its packed blocks, scales, zero points)
+        return (node.input[0] in tokens and len(others) == len([n for n in node.input[1:] if n])
+                and (op != "MatMul" or graph.rank(node.input[1]) == 2))
+    if op in LAST_AXIS or (op in ("QuantizeLinear", "DequantizeLinear") and any(graph.rank(n) for n in others)):
+        rank = graph.rank(next(name for name in node.input if name in tokens))
+        axis = attr(node, "axis", 0 if op == "Split" else -1 if op in LAST_AXIS else 1)
+        if not (axis == -1 or (rank is not None and axis == rank - 1)) or (op == "Concat" and others):
+            return False
+    elif op not in ELEMENTWISE:
+        return False
+    # The other inputs broadcast over the tokens: weights of the last axis, scalars, split sizes.
+    return all((shape := graph.shape(name)) is not None and all(d == 1 for d in shape[:-1]) for name in others)

@@ -19,6 +19,7 @@ import numpy as np
 
 from llmc.errors import LlmcError
 from llmc.formats.engine_file import EngineFile, FileRange
+from llmc.formats.manifest import PADDING_ROW
 from llmc.formats.sessions import open_session, session_options
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.plugins.paged_attention_cpu import DENSE_MIN_TOKENS, CpuPagedAttention
@@ -63,7 +64,7 @@ class CpuBackend:
         self._kernel_at_load = options.concurrent
         if self._single is None or options.concurrent:
             self._segmented()
-        pads = self._single is not None and any(i.name == "padding_rows" for i in self._single.get_inputs())
+        pads = self._single is not None and self._single.get_modelmeta().custom_metadata_map.get(PADDING_ROW) == "1"
         self.paths = StepPaths(paged.max_batch if self._single is not None else 0, pads)
         self.whole: WholeGraph | None = None
         self.kv: KvCache | None = None

@@ -32,7 +32,7 @@ class WholeGraph:
     Args:
         session: the engine's single-sequence graph, opened.
         rows: the rows it runs on; their buffer's layers and parts are in the pool's order.
-        pads: the graph has a lone token's padding row (its `padding_rows` input).
+        pads: the graph has room for a lone token's padding row (passes/lower_single_sequence.py).
         timeline: where its session calls are recorded.
     """
 
@@ -59,9 +59,9 @@ class WholeGraph:
             seats = self.rows.seat(tables, pasts)
         used = int(seats.max()) + 1
         self._bind(used)
-        if len(tokens) == batch.num_seqs:  # decodes: a token per sequence
-            logits = self._run_decode(tokens, plan.positions, seats, totals, seats[rows], used, pad)
-        else:  # one sequence's prompt (or part of it)
+        if len(tokens) == batch.num_seqs and not pad:  # decodes: a token per sequence
+            logits = self._run_decode(tokens, plan.positions, seats, totals, seats[rows], used)
+        else:  # one sequence's prompt (or part of it), or a padded lone token
             logits = self._run_tokens(tokens, plan.positions, int(totals[0]), rows, pad)
         self.rows.ran(seats, tables, totals)
         return logits
@@ -80,19 +80,23 @@ class WholeGraph:
         runs = []
         for cut in cuts:
             runs.append(np.concatenate([
-                self._run_tokens(tokens[start:end], np.arange(start, end), end, np.arange(end - start), pad=1)
+                self._run_tokens(tokens[start:end], np.arange(start, end), end, np.arange(end - start),
+                                 pad=int(self.pads and end - start == 1))
                 for start, end in zip(cut, cut[1:])]))
         self.rows.invalidate()  # row 0 holds the made-up sequence: nothing to write back
         return all(np.array_equal(runs[0], run) for run in runs[1:])
 
     def _run_tokens(self, tokens: np.ndarray, positions: np.ndarray, total: int, rows, pad: int = 0) -> np.ndarray:
         """One sequence's `tokens` in row 0, which then holds `total` positions; the logits of
-        `rows`. `pad`: 1 for the padding row (a lone token's, on a graph that has one)."""
+        `rows`. `pad`: 1 to give a lone token its padding row, the token again one position on
+        (on a graph with room for it)."""
+        if pad:
+            tokens, positions, total = np.repeat(tokens, 2), positions[0] + np.arange(2), total + 1
         if len(tokens) <= SHORT_STEP:  # a request's guesses: the arrays bound for this shape
             arrays = self._arrays(len(tokens), 1, len(rows))
             arrays["input_ids"][0], arrays["position_ids"][0] = tokens, positions
             arrays["seqlens_k"][0], arrays["total_sequence_length"][()] = total - 1, total
-            return self._run_arrays(arrays, rows, pad)
+            return self._run_arrays(arrays, rows)
         binding = self._binding
         self._bound_shape = None  # these inputs replace the bound arrays
         binding.bind_cpu_input("input_ids", tokens[None])
@@ -100,8 +104,6 @@ class WholeGraph:
         binding.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(total, np.int32))
         binding.bind_cpu_input("logits_rows", np.asarray(rows, np.int64))
-        if self.pads:
-            binding.bind_cpu_input("padding_rows", np.array([pad], np.int64))
         binding.bind_output("logits")  # again: a bound output keeps the last run's shape
         with self.timeline.span("whole graph", ONNXRUNTIME):
             self.session.run_with_iobinding(binding)
@@ -120,7 +122,7 @@ class WholeGraph:
         self._bound = (self.rows.generation, rows)
 
     def _run_decode(self, tokens: np.ndarray, positions: np.ndarray, seats: np.ndarray, totals: np.ndarray,
-                    logits_rows: np.ndarray, used: int, pad: int) -> np.ndarray:
+                    logits_rows: np.ndarray, used: int) -> np.ndarray:
         """A new token for each sequence, in its seat; an empty seat decodes a throw-away token
         at position 0."""
         arrays = self._arrays(used, used, len(logits_rows))
@@ -130,7 +132,7 @@ class WholeGraph:
         arrays["input_ids"][0, seats], arrays["position_ids"][0, seats] = tokens, positions
         arrays["seqlens_k"][seats] = totals - 1
         arrays["total_sequence_length"][()] = totals.max()
-        return self._run_arrays(arrays, logits_rows, pad)
+        return self._run_arrays(arrays, logits_rows)
 
     def _arrays(self, tokens: int, sequences: int, rows: int) -> dict[str, np.ndarray]:
         """The inputs and logits of a step of this shape: arrays made and bound once per shape and
@@ -142,7 +144,6 @@ class WholeGraph:
             arrays = {"input_ids": np.zeros((1, tokens), np.int64), "position_ids": np.zeros((1, tokens), np.int64),
                       "seqlens_k": np.zeros(sequences, np.int32), "total_sequence_length": np.zeros((), np.int32),
                       "logits_rows": np.zeros(rows, np.int64),
-                      **({"padding_rows": np.zeros(1, np.int64)} if self.pads else {}),
                       "logits": np.zeros((1, rows, self._vocab), np.float32)}
             self._shapes[shape] = arrays, {name: ort.OrtValue.ortvalue_from_numpy(a) for name, a in arrays.items()}
         arrays, values = self._shapes[shape]
@@ -155,10 +156,8 @@ class WholeGraph:
             self._bound_shape = shape
         return arrays
 
-    def _run_arrays(self, arrays: dict[str, np.ndarray], logits_rows, pad: int) -> np.ndarray:
+    def _run_arrays(self, arrays: dict[str, np.ndarray], logits_rows) -> np.ndarray:
         arrays["logits_rows"][:] = logits_rows
-        if self.pads:
-            arrays["padding_rows"][0] = pad
         with self.timeline.span("whole graph", ONNXRUNTIME):
             self.session.run_with_iobinding(self._binding)
         return arrays["logits"][0].copy()  # the array is the next step's of this shape too
