@@ -57,8 +57,8 @@ PORTABLE_FUSIONS = [
     "merge-sibling-matmuls",
 ]
 
-# onnxruntime contrib ops. fuse-skip-norm is registered but in no CPU pipeline: its fused op
-# measured slower than Add + norm on onnxruntime CPU (see passes/fuse_skip_norm.py).
+# onnxruntime contrib ops. fuse-skip-norm is in no pipeline: its fused op measured slower than
+# Add + norm alone on onnxruntime CPU; the single-sequence graph runs it (passes/fuse_skip_norm.py).
 ONNXRUNTIME_FUSIONS = [
     "fuse-silu",
 ]
