@@ -45,13 +45,13 @@ class FuseSkipNorm(RewritePass):
 
     name = "fuse-skip-norm"
     anchors = ("RMSNormalization", "LayerNormalization")
+    domain = DOMAIN
+    target = "com.microsoft Skip(Simplified)LayerNormalization — onnxruntime only"
 
     def __init__(self, norms: tuple[str, ...] = anchors):
         """norms: the norm op types fused (the anchors): the single-sequence graph fuses
         RMSNormalization only, SkipLayerNormalization being slower still on the CPU."""
         self.anchors = norms
-    domain = DOMAIN
-    target = "com.microsoft Skip(Simplified)LayerNormalization — onnxruntime only"
 
     def rewrite(self, graph: Graph, norm: onnx.NodeProto) -> Rewrite | None:
         if any(name for name in norm.output[1:]) or _axis(graph, norm) != -1:

@@ -75,6 +75,16 @@ def test_layer_norm_takes_the_projection_bias():
     assert op_counts(result.model) == {"MatMul": 1, "com.microsoft.SkipLayerNormalization": 1}
 
 
+def test_norms_limits_the_fused_types():
+    """The single-sequence graph's form: RMS norms fused, a layer norm left as it is."""
+    layer = [helper.make_node("Add", ["a", "b"], ["sum"]),
+             helper.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    assert_unchanged(FuseSkipNorm(norms=("RMSNormalization",)), make_model(layer, opset=20))
+    rms_form = make_model([helper.make_node("Add", ["a", "b"], ["sum"]), rms()])
+    result = run_pass(FuseSkipNorm(norms=("RMSNormalization",)), rms_form)
+    assert [n.op_type for n in fused(result)] == ["SkipSimplifiedLayerNormalization"]
+
+
 def test_rms_norm_takes_the_projection_bias():
     nodes = [helper.make_node("MatMul", ["b", "W"], ["proj"]),
              helper.make_node("Add", ["proj", "bias"], ["proj_b"]),
