@@ -148,8 +148,8 @@ class LowerSingleSequence(Pass):
         shapes = [helper.make_node("Shape", ["seqlens_k"], ["single.sequences"], name="single.sequences/Shape"),
                   helper.make_node("Concat", ["single.sequences", "single.tokens_width"], [SEQUENCES_SHAPE],
                                    name=f"{SEQUENCES_SHAPE}/Concat", axis=0)]
-        read = {name for node in nodes for name in node.input}
         if whole_step:  # the step's token inputs to [sequences, tokens each]
+            read = {name for node in nodes for name in node.input}
             for name in ("input_ids", "position_ids"):
                 if name not in read:
                     continue
@@ -297,7 +297,7 @@ def _keeps_layout(graph: Graph, node: onnx.NodeProto, tokens: set[str]) -> bool:
     if op == "Gather":  # an embedding: a table looked up by the tokens
         return attr(node, "axis", 0) == 0 and node.input[0] in graph.initializers and node.input[1] in tokens
     if op in WEIGHT_PRODUCTS:  # the tokens times a matrix (MatMulNBits: its packed blocks, scales, zero points)
-        return (node.input[0] in tokens and len(others) == len([n for n in node.input[1:] if n])
+        return (node.input[0] in tokens and not any(name in tokens for name in node.input[1:])
                 and (op != "MatMul" or graph.rank(node.input[1]) == 2))
     if op in LAST_AXIS or (op in ("QuantizeLinear", "DequantizeLinear") and any(graph.rank(n) for n in others)):
         rank = graph.rank(next(name for name in node.input if name in tokens))
