@@ -48,20 +48,16 @@ takes' own ratios over the runs (`paired_ratio`), not of the medians' ratio. A r
   int4 runs           the same load, warm-up and batch-1 decode on the int4 builds (genai's int4
                       build beside each of llmc's two; OpenVINO GenAI's beside llmc's OpenVINO
                       engine built with `--bf16 --weights int4 --force`)
-  one token a step    llmc's runs repeat the batch-1 decode with speculation off (fp32 and
-                      weight-only engines guess tokens from the sequence's own text by default:
-                      runtime/prompt_lookup.py); random prompts make a model loop, which guesses well.
-                      An engine whose default is one token a step (bf16 compute) is measured once,
-                      for both rows
+  one token a step    llmc's runs repeat the batch-1 decode with speculation off (fp32 engines
+                      guess tokens from the sequence's own text by default: runtime/prompt_lookup.py);
+                      random prompts make a model loop, which guesses well. An engine whose default
+                      is one token a step (weight-only, bf16 compute) is measured once, for both rows
   real text           SmolLM2 only, fp32 and int4 (llmc's default scheme): 12 chat prompts (the model's template) asking about, rewriting
                       or summarizing pieces of Python's source (data/pystdlib-text/heldout) or
                       asking general questions, greedy, up to 128 new tokens, stopping at EOS; one
                       at a time. Decode rate over all of them (tokens after each first ÷ their
-                      time), llmc with and without speculation; and how many of the 12 outputs are
-                      token for token genai's. (An int4 request that may guess runs its lone tokens
-                      with a padding row, one token a step without: their outputs differ by that
-                      rounding; tests/runtime/test_speculation.py checks guessing against one token
-                      a step padded alike.)
+                      time), llmc with its default speculation and without; and how many of the 12
+                      outputs are token for token genai's.
   where time went     llmc's first fp32 run, after its timed measurements, repeats the batch-1
                       decode, the first token of a prompt alone and the static batch on engines
                       with the profiler on (runtime/profile.py's breakdown per step kind), stored

@@ -178,8 +178,8 @@ def pass_names(passes: str | None) -> list[str] | None:
 speculative_tokens_option = click.option(
     "--speculative-tokens", type=int, default=None,
     help="Tokens a step may guess ahead for a greedy request, from its own text (prompt lookup; beside other "
-    "requests only guesses likely to be kept; greedy outputs unchanged). 0 turns it off. Default: 4 for an fp32 engine, "
-    "and for a weight-only (int4/int8) one alone in its step where its logits check out bit for bit at load; else 0.")
+    "requests only guesses likely to be kept; greedy outputs unchanged). 0 turns it off. Default: 4 for an engine whose "
+    "linear layers compute in fp32, else 0 (on int4/int8 weight-only ones a guess costs about a third of a step).")
 
 
 def prompts_from(prompts: Iterable[str], prompts_file: str | None) -> list[str]:

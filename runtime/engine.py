@@ -27,7 +27,7 @@ import itertools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -62,19 +62,22 @@ def linears_in_fp32(manifest) -> bool:
     return precision is None or (not precision.get("fp16") and set(precision.get("linears", {}).values()) <= {"fp32"})
 
 
-def default_speculative_tokens(manifest, steps_round_alike: Callable[[], bool] | None = None) -> int:
-    """SPECULATIVE_TOKENS where a step of several tokens gives each the logits a step of one
-    would, so that greedy outputs stay those of decoding token by token; else 0. An engine whose
-    linear layers compute in fp32 does, to float rounding (SmolLM2-135M: 5e-5). A weight-only
-    int4/int8 engine quantizes each linear layer's input to int8 (MatMulNBits' accuracy_level 4),
-    which turns any such rounding into different codes now and then (SmolLM2-135M int4: 0.7 on
-    average in the logits, against 8.9 from fp32): there only bit-for-bit equal logits will do,
-    which the whole graph of an engine built with the lone token's padding row gives on CPUs
-    where `steps_round_alike` (the backend's check, run here) says so. Elsewhere guessing is the
-    user's choice."""
-    if linears_in_fp32(manifest):
-        return SPECULATIVE_TOKENS
-    return SPECULATIVE_TOKENS if steps_round_alike is not None and steps_round_alike() else 0
+def default_speculative_tokens(manifest) -> int:
+    """SPECULATIVE_TOKENS for an engine whose linear layers compute in fp32, else 0 (guessing is
+    then the user's choice).
+
+    fp32 linear layers give each token of a step of several the logits a step of one would, to
+    float rounding (SmolLM2-135M: 5e-5), and read their weights once for all its rows: a guess
+    costs a step little. A weight-only int4/int8 engine's MatMulNBits quantize each row's input
+    to int8 (accuracy_level 4), which turns any change of rounding into different codes now and
+    then (SmolLM2-135M int4: 0.7 on average in the logits, against 8.9 from fp32), so its guesses
+    are exact only with the lone token of a request that may guess given the padding row, and
+    only where the backend's check passes (`steps_round_alike`). And on x86-64 those kernels
+    compute row by row: on a Xeon without AMX, SmolLM2-135M int4, a padded step took 1.37x a lone
+    token's and a step of 4 guesses 2.5x; guessing, its 12 chat answers decoded about as fast as
+    one token a step, the 6 not about source code 0.8x as fast. Text that repeats itself (code
+    edits, quotes, loops) repays it: there `--speculative-tokens 4` is worth asking for."""
+    return SPECULATIVE_TOKENS if linears_in_fp32(manifest) else 0
 
 
 @dataclass(frozen=True)
@@ -193,8 +196,10 @@ class Engine:
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalText] = {}
         self._utilization_sum, self._steps = 0.0, 0
-        guesses = speculative_tokens if speculative_tokens is not None else \
-            default_speculative_tokens(self.manifest, self.backend.steps_round_alike)
+        guesses = default_speculative_tokens(self.manifest) if speculative_tokens is None else speculative_tokens
+        if guesses and not linears_in_fp32(self.manifest) and not self.backend.steps_round_alike():
+            log.warning("%s: on this CPU this engine's logits change with how guesses cut a request's steps: "
+                        "greedy outputs may differ from one token a step's", self.path)
         # Beside other requests a step with a guess runs packed, whose attention rounds unlike the
         # whole graph's: exact enough for fp32 linear layers only.
         self.planner = StepPlanner(self.backend.paths, guesses, linears_in_fp32(self.manifest), self.scheduler,

@@ -97,8 +97,8 @@ class Backend(Protocol):
 
     def steps_round_alike(self) -> bool:
         """Whether a sequence's logits come out bit for bit the same however its tokens are cut
-        into steps (with the padding row, where `paths.padding_row`); decides whether weight-only
-        engines guess by default."""
+        into steps (with the padding row, where `paths.padding_row`): whether guesses leave a
+        weight-only engine's greedy outputs as they were."""
 
     def run(self, plan: StepPlan) -> np.ndarray:
         """Run one step; store its keys and values; return the logits of `plan.rows`."""

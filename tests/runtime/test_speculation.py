@@ -172,20 +172,20 @@ def test_a_negative_count_of_guesses_is_refused(tiny_llama_engine):
         Engine(tiny_llama_engine, kv_pool_mb=4, speculative_tokens=-1)
 
 
-def test_guessing_is_on_by_default_where_a_step_of_several_tokens_gives_each_its_logits():
-    """fp32 linear layers: to float rounding. Weight-only ones quantize their input to int8, which
-    turns any rounding into different codes now and then: there only an engine whose whole graph
-    gives bit-for-bit equal logits however the steps are cut, by its check on this CPU, guesses."""
-    weight_only = {"fp16": False, "linears": {"a": "int4", "b": "int8-weights"}}
-    cases = [(None, None, True), ({"fp16": False, "linears": {"a": "fp32", "b": "fp32"}}, None, True),
-             ({"fp16": True, "linears": {"a": "fp16"}}, None, False),
-             (weight_only, None, False), (weight_only, lambda: False, False), (weight_only, lambda: True, True)]
-    for precision, check, on in cases:
-        assert default_speculative_tokens(SimpleNamespace(precision=precision, build_options={}), check) == \
-            (SPECULATIVE_TOKENS if on else 0), precision
-    # an OpenVINO engine allowed to compute in bf16: its fp32 linear layers may not be
-    bf16 = SimpleNamespace(precision=None, build_options={"backend": "openvino", "compute": "bf16"})
-    assert default_speculative_tokens(bf16, lambda: False) == 0
+def test_guessing_is_on_by_default_where_linear_layers_compute_in_fp32():
+    """There a guess leaves the logits as they were, to float rounding, and costs a step little.
+    Weight-only linear layers need the padding row on every lone token of a request that may
+    guess and compute row by row (runtime/engine.py): guessing is the user's choice there, as on
+    fp16 and bf16 engines."""
+    cases = [(None, {}, True), ({"fp16": False, "linears": {"a": "fp32", "b": "fp32"}}, {}, True),
+             ({"fp16": True, "linears": {"a": "fp16"}}, {}, False),
+             ({"fp16": False, "linears": {"a": "int4", "b": "int8-weights"}}, {}, False),
+             ({"fp16": False, "linears": {"a": "int8-weights"}}, {}, False),
+             # an OpenVINO engine allowed to compute in bf16: its fp32 linear layers may not be
+             (None, {"backend": "openvino", "compute": "bf16"}, False)]
+    for precision, build_options, on in cases:
+        manifest = SimpleNamespace(precision=precision, build_options=build_options)
+        assert default_speculative_tokens(manifest) == (SPECULATIVE_TOKENS if on else 0), (precision, build_options)
 
 
 @pytest.fixture(scope="module", params=["int4", "int8"])
@@ -204,10 +204,10 @@ def test_a_weight_only_engine_guesses_alone_and_keeps_its_greedy_outputs_bit_for
     1 of these 3 outputs changed in int4 and 2 in int8, measured). The reference decodes one token
     a step, padded the same way: a request that never guesses is not padded (its output is then
     that of engines before the padding, which rounds a lone token otherwise)."""
-    guessing = Engine(weight_only_engine, kv_pool_mb=4)
+    assert Engine(weight_only_engine, kv_pool_mb=4).speculative_tokens == 0  # by default
+    guessing = Engine(weight_only_engine, kv_pool_mb=4, speculative_tokens=SPECULATIVE_TOKENS)
     assert guessing.backend.paths.padding_row and guessing.backend.steps_round_alike()
-    assert guessing.speculative_tokens == SPECULATIVE_TOKENS
-    plain = Engine(weight_only_engine, kv_pool_mb=4)
+    plain = Engine(weight_only_engine, kv_pool_mb=4, speculative_tokens=SPECULATIVE_TOKENS)
     plain.planner._with_drafts = lambda chunks, lookups: chunks  # never guesses
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     assert generate(guessing, looping_prompts(), params) == generate(plain, looping_prompts(), params)
@@ -233,14 +233,21 @@ def test_the_padded_graph_gives_a_lone_token_the_logits_of_a_longer_step(weight_
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="onnxruntime's x86-64 int4 kernels")
-def test_int4_blocks_of_128_round_rows_by_their_count_so_such_an_engine_does_not_guess(tiny_llama_onnx, tmp_path):
+def test_int4_blocks_of_128_round_rows_by_their_count_so_guessing_there_warns(tiny_llama_onnx, tmp_path, caplog):
     """MatMulNBits with int4 blocks of 128 gives a row other bits in a step of more rows (measured:
-    blocks of 16 and 32 do not): the load-time check finds it, and guessing stays off."""
+    blocks of 16 and 32 do not): the check at load finds it, and asking such an engine to guess
+    says that greedy outputs may change; blocks of 32 guess without a word."""
     from llmc.compiler.build import compile_model
     from llmc.precision.plan import PrecisionOptions
 
     path = tmp_path / "int4-128.plan"
     compile_model(tiny_llama_onnx, path, precision=PrecisionOptions(weights="int4", weights_block_size=128, force=True))
-    engine = Engine(path, kv_pool_mb=4)
-    assert engine.backend.paths.padding_row
-    assert engine.speculative_tokens == 0 and not engine.backend.steps_round_alike()
+    engine = Engine(path, kv_pool_mb=4, speculative_tokens=SPECULATIVE_TOKENS)
+    assert engine.backend.paths.padding_row and not engine.backend.steps_round_alike()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [f"{path}: on this CPU this engine's logits change with how guesses cut a request's steps: "
+                        "greedy outputs may differ from one token a step's"]
+    caplog.clear()
+    compile_model(tiny_llama_onnx, path, precision=PrecisionOptions(weights="int4", weights_block_size=32, force=True))
+    assert Engine(path, kv_pool_mb=4, speculative_tokens=SPECULATIVE_TOKENS).speculative_tokens == SPECULATIVE_TOKENS
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
