@@ -884,8 +884,7 @@ def render(result: dict[str, Any]) -> str:
         if agreement:
             lines.append(f"real text, {precision}: {agreement['same_as_genai']} of {agreement['prompts']} greedy outputs "
                          f"token for token genai's ({agreement['llmc_tokens']} vs {agreement['genai_tokens']} tokens); "
-                         f"{agreement['speculation_unchanged']} of {agreement['prompts']} the same as one token a step"
-                         + (" (which runs without the padding row: other rounding)" if precision != "fp32" else ""))
+                         f"{agreement['speculation_unchanged']} of {agreement['prompts']} the same as one token a step")
     peak = {s: _median([r.get("peak_rss_mib") for r in result["runs"][s]["fp32"]]) for s in ("llmc", "genai")}
     lines.append(f"peak resident (VmHWM) of an fp32 run (MiB): llmc {peak['llmc']}, genai {peak['genai']}")
     lines += [f"FAILED build: {what}: {error}" for what, error in result["build_errors"].items()]

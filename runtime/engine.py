@@ -198,7 +198,7 @@ class Engine:
         self._utilization_sum, self._steps = 0.0, 0
         guesses = default_speculative_tokens(self.manifest) if speculative_tokens is None else speculative_tokens
         if guesses and not linears_in_fp32(self.manifest) and not self.backend.steps_round_alike():
-            log.warning("%s: on this CPU this engine's logits change with how guesses cut a request's steps: "
+            log.warning("%s: here this engine's logits may change with how guesses cut a request's steps: "
                         "greedy outputs may differ from one token a step's", self.path)
         # Beside other requests a step with a guess runs packed, whose attention rounds unlike the
         # whole graph's: exact enough for fp32 linear layers only.

@@ -245,7 +245,7 @@ def test_int4_blocks_of_128_round_rows_by_their_count_so_guessing_there_warns(ti
     engine = Engine(path, kv_pool_mb=4, speculative_tokens=SPECULATIVE_TOKENS)
     assert engine.backend.paths.padding_row and not engine.backend.steps_round_alike()
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == [f"{path}: on this CPU this engine's logits change with how guesses cut a request's steps: "
+    assert warnings == [f"{path}: here this engine's logits may change with how guesses cut a request's steps: "
                         "greedy outputs may differ from one token a step's"]
     caplog.clear()
     compile_model(tiny_llama_onnx, path, precision=PrecisionOptions(weights="int4", weights_block_size=32, force=True))
