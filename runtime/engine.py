@@ -196,13 +196,14 @@ class Engine:
         self._ids = itertools.count()
         self._texts: dict[str, IncrementalText] = {}
         self._utilization_sum, self._steps = 0.0, 0
+        fp32 = linears_in_fp32(self.manifest)
         guesses = default_speculative_tokens(self.manifest) if speculative_tokens is None else speculative_tokens
-        if guesses and not linears_in_fp32(self.manifest) and not self.backend.steps_round_alike():
+        if guesses and not fp32 and not self.backend.steps_round_alike():
             log.warning("%s: here this engine's logits may change with how guesses cut a request's steps: "
                         "greedy outputs may differ from one token a step's", self.path)
         # Beside other requests a step with a guess runs packed, whose attention rounds unlike the
         # whole graph's: exact enough for fp32 linear layers only.
-        self.planner = StepPlanner(self.backend.paths, guesses, linears_in_fp32(self.manifest), self.scheduler,
+        self.planner = StepPlanner(self.backend.paths, guesses, fp32, self.scheduler,
                                    self._budget)
         self._lookups: dict[str, PromptLookup] = {}  # requests that may speculate
         self._drafted = self._accepted = 0
