@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny-llama exported and compiled once per test session.
+"""Shared fixtures, made once per test session: tiny-llama exported and compiled, the trained
+model, and the random-weight Hugging Face checkpoints with their exports (a torch.onnx dynamo
+export of a 2-layer model takes 6-11 s; several modules test the same ones).
 
 pytest runs with --import-mode=importlib, which does not put test folders on sys.path; this
 file adds `tests/` so that fixture factories (`hf_checkpoints`) import by plain name.
@@ -7,6 +9,7 @@ file adds `tests/` so that fixture factories (`hf_checkpoints`) import by plain 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,51 @@ import pytest
 TESTS_DIR = str(Path(__file__).resolve().parent)
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`get(family, sharded=False) -> folder`: tests/hf_checkpoints.py's checkpoints, written once
+    per session; treat as read-only."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    folders: dict[tuple[str, bool], Path] = {}
+
+    def get(family: str, sharded: bool = False) -> Path:
+        key = (family, sharded)
+        if key not in folders:
+            name = f"{family}-{'sharded' if sharded else 'single'}"
+            folders[key] = write_hf_checkpoint(tmp_path_factory.mktemp(name), family, sharded=sharded)
+        return folders[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_export(hf_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`get(family, exporter, attention="eager") -> model.onnx`: `hf_checkpoint(family)` through
+    tests/exporters.py's `exporter`, exported once per session; treat as read-only. A test whose
+    exporter cannot run here (Optimum without its venv) skips."""
+    from exporters import ExporterUnavailable, export_decoder
+
+    exports: dict[tuple[str, str, str], Path | ExporterUnavailable] = {}
+
+    def get(family: str, exporter: str, attention: str = "eager") -> Path:
+        if exporter in ("llmc", "optimum"):  # they export one attention whatever is asked
+            attention = "default"
+        key = (family, exporter, attention)
+        if key not in exports:
+            folder = tmp_path_factory.mktemp(f"{family}-{exporter}-{attention}")
+            try:
+                exports[key] = export_decoder(hf_checkpoint(family), exporter, folder / "model.onnx",
+                                              attention=attention)
+            except ExporterUnavailable as exc:
+                exports[key] = exc
+        if isinstance(exports[key], ExporterUnavailable):
+            pytest.skip(str(exports[key]))
+        return exports[key]
+
+    return get
 
 
 @pytest.fixture(scope="session")

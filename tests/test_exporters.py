@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from exporters import EXPORTERS, export_decoder, hf_geometry
-from hf_checkpoints import FAMILIES, hf_model, write_hf_checkpoint
+from hf_checkpoints import FAMILIES, hf_model
 from transformers.cache_utils import DynamicCache
 
 from llmc.formats.decoder_interface import recognize_decoder
@@ -27,18 +27,17 @@ BATCH, PREFILL = 2, 5
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    """(name, checkpoint folder, transformers reference steps) of one family."""
-    folder = write_hf_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
-    return request.param, folder, _reference(folder)
+def family(request, hf_checkpoint):
+    """(name, transformers reference steps) of one family."""
+    return request.param, _reference(hf_checkpoint(request.param))
 
 
 @pytest.fixture(scope="module", params=EXPORTERS)
-def exported(request, family, tmp_path_factory):
-    name, folder, reference = family
-    output = tmp_path_factory.mktemp(f"{name}-{request.param}") / "model.onnx"
-    path = export_decoder(folder, request.param, output)
-    return path, reference
+def exported(request, family, hf_export):
+    """(the family's export by this exporter, made once per session: tests/conftest.py, the
+    reference steps)."""
+    name, reference = family
+    return hf_export(name, request.param), reference
 
 
 def _step_inputs(geometry, seq: int, past: int, seed: int) -> dict[str, np.ndarray]:
@@ -118,11 +117,9 @@ def test_interface_and_geometry_metadata(exported):
 
 
 @pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
-def test_sdpa_attention_exports_equal_transformers(exporter, tmp_path):
+def test_sdpa_attention_exports_equal_transformers(exporter, hf_checkpoint, hf_export):
     """transformers' default attention (sdpa) exports too; one family keeps this quick."""
-    folder = write_hf_checkpoint(tmp_path / "ckpt", "llama")
-    path = export_decoder(folder, exporter, tmp_path / "model.onnx", attention="sdpa")
-    _check_steps(path, _reference(folder))
+    _check_steps(hf_export("llama", exporter, "sdpa"), _reference(hf_checkpoint("llama")))
 
 
 def test_unknown_exporter_is_refused(tmp_path):

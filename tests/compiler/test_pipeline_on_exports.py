@@ -7,15 +7,15 @@ Compile and generate: every family × third-party exporter (Optimum, torch.onnx 
 TorchScript) compiles with the default options (paged KV) and greedy generation through
 `llmc.LLM` gives transformers' greedy tokens on the same checkpoint. The reference is the
 transformers model itself, each next token the argmax of a full forward pass over the sequence so
-far (no cache, no EOS stop: the engine runs with ignore_eos). Exports are made once per module and
-shared by both tests; the Optimum ones need its venv (tests/README.md) and skip without it.
+far (no cache, no EOS stop: the engine runs with ignore_eos). Exports are made once per session
+(tests/conftest.py's `hf_export`) and shared with tests/test_exporters.py; the Optimum ones need its
+venv (tests/README.md) and skip without it.
 """
 
 import onnx
 import pytest
 import torch
-from exporters import ExporterUnavailable, export_decoder
-from hf_checkpoints import hf_model, write_hf_checkpoint
+from hf_checkpoints import hf_model
 
 from llmc import LLM, SamplingParams
 from llmc.compiler.build import compile_model
@@ -41,46 +41,13 @@ NOT_PAGED: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = write_hf_checkpoint(tmp_path_factory.mktemp(family), family)
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def exports(checkpoints, tmp_path_factory):
-    """exports(family, exporter, attention) → the ONNX file, exported once per module."""
-    cache = {}
-
-    def get(family, exporter, attention="eager"):
-        key = (family, exporter, attention)
-        if key not in cache:
-            folder = tmp_path_factory.mktemp(f"{family}-{exporter}-{attention}")
-            try:
-                cache[key] = export_decoder(checkpoints(family), exporter, folder / "model.onnx",
-                                            attention=attention)
-            except ExporterUnavailable as exc:
-                cache[key] = exc
-        if isinstance(cache[key], ExporterUnavailable):
-            pytest.skip(str(cache[key]))
-        return cache[key]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def reference_tokens(checkpoints):
+def reference_tokens(hf_checkpoint):
     """reference_tokens(family, prompt ids) → transformers' greedy continuation."""
     models = {}
 
     def get(family, prompt_ids):
         if family not in models:
-            models[family] = hf_model(checkpoints(family))
+            models[family] = hf_model(hf_checkpoint(family))
         ids = list(prompt_ids)
         with torch.no_grad():
             for _ in range(NEW_TOKENS):
@@ -91,8 +58,8 @@ def reference_tokens(checkpoints):
 
 
 @pytest.mark.parametrize("family,exporter,attention", CASES)
-def test_level2_fusion_counts_and_parity(exports, family, exporter, attention):
-    path = exports(family, exporter, attention)
+def test_level2_fusion_counts_and_parity(hf_export, family, exporter, attention):
+    path = hf_export(family, exporter, attention)
     raw = onnx.load(path)
     optimized, report = optimize(onnx.load(path), level=2, verify=True, tolerance=1e-4)
     matches = {entry["pass"]: entry["matches"] for entry in report}
@@ -113,10 +80,10 @@ def test_level2_fusion_counts_and_parity(exports, family, exporter, attention):
 
 @pytest.mark.parametrize("exporter", THIRD_PARTY)
 @pytest.mark.parametrize("family", GENERATION_FAMILIES)
-def test_compiled_engine_generates_transformers_greedy_tokens(exports, reference_tokens, tmp_path,
+def test_compiled_engine_generates_transformers_greedy_tokens(hf_export, reference_tokens, tmp_path,
                                                               family, exporter):
     engine = tmp_path / "engine.plan"
-    manifest = compile_model(exports(family, exporter), engine)
+    manifest = compile_model(hf_export(family, exporter), engine)
     completions = LLM(engine).generate(list(PROMPTS), SamplingParams(max_new_tokens=NEW_TOKENS,
                                                                      ignore_eos=True))
     for completion in completions:
@@ -131,11 +98,11 @@ def test_compiled_engine_generates_transformers_greedy_tokens(exports, reference
 
 @pytest.mark.parametrize("exporter", THIRD_PARTY)
 @pytest.mark.parametrize("family", GENERATION_FAMILIES)
-def test_tensorrt_dry_run_accepts_every_third_party_export(exports, tmp_path, family, exporter):
+def test_tensorrt_dry_run_accepts_every_third_party_export(hf_export, tmp_path, family, exporter):
     """Every export that compiles paged on the CPU passes `--backend tensorrt --dry-run`."""
     from llmc.compiler.tensorrt_network import TensorRTOptions
 
-    manifest = compile_model(exports(family, exporter), tmp_path / "trt.plan", backend="tensorrt",
+    manifest = compile_model(hf_export(family, exporter), tmp_path / "trt.plan", backend="tensorrt",
                              tensorrt=TensorRTOptions(dry_run=True))
     assert manifest["tensorrt_check"]["unsupported"] == [], manifest["tensorrt_check"]["unsupported"]
     assert manifest["tensorrt_check"]["plugins"] == {"llmc::paged_attention": LAYERS}
