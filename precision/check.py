@@ -31,7 +31,7 @@ from llmc.formats.sessions import session_options
 from llmc.errors import LlmcError
 from llmc.precision.calibration import prefill_feeds
 from llmc.precision.data import read_documents, windows
-from llmc.runtime.logprobs import log_softmax
+from llmc.runtime.logprobs import log_softmax, row_sums
 
 
 @dataclass(frozen=True)
@@ -130,4 +130,4 @@ def position_metrics(reference: np.ndarray, candidate: np.ndarray, targets: np.n
 
 def kl_divergence(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
     """KL(reference ‖ candidate) per row, from log-probabilities."""
-    return (np.exp(reference) * (reference - candidate)).sum(-1)
+    return row_sums(lambda ref, cand: np.exp(ref) * (ref - cand), reference, candidate)

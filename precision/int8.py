@@ -154,10 +154,11 @@ def choose_smoothing(model: onnx.ModelProto, groups: list[ActivationGroup], stat
         if target is not None and target[1] is not None:  # channels that must share s share their statistics
             x_max, w_max = target[1](x_max), target[1](w_max)
         best = None
+        exact = [rows @ w for w in ws]  # the float outputs: the same for every strength
         for alpha in (alphas if target is not None else (0.0,)):
             scale = smoothing_scale(x_max, w_max, alpha)
             limit = None if g.per_token or not g.quantized else float((s.channel_absmax / scale).max())
-            error = output_error(rows, ws, scale, limit, quantize_activations=g.quantized)
+            error = output_error(rows, ws, scale, limit, quantize_activations=g.quantized, exact=exact)
             if best is None or error < best[0]:
                 best = (error, alpha, scale)
         g.error, g.alpha = best[0], best[1]
@@ -181,19 +182,20 @@ def smoothing_scale(x_max: np.ndarray, w_max: np.ndarray, alpha: float) -> np.nd
 
 
 def output_error(rows: np.ndarray, weights: list[np.ndarray], smoothing: np.ndarray, limit: float | None,
-                 quantize_activations: bool = True) -> float:
+                 quantize_activations: bool = True, exact: list[np.ndarray] | None = None) -> float:
     """Relative squared error of the quantized layers' outputs on `rows`, summed over the layers,
     with x divided by `smoothing` and W's rows multiplied by it; `limit` is the static |x|
-    threshold, None for per-token scales; without `quantize_activations` only W is quantized."""
+    threshold, None for per-token scales; without `quantize_activations` only W is quantized.
+    `exact`: each layer's float output `rows @ w`, when the caller has it."""
     x = rows / smoothing
     steps = (np.float32(limit) if limit is not None else np.abs(x).max(axis=1, keepdims=True)) / 127.0
     steps = np.maximum(steps, 1e-12)
     xq = np.clip(np.rint(x / steps), -127, 127) * steps if quantize_activations else x
     error = 0.0
-    for w in weights:
+    for index, w in enumerate(weights):
         wq = quantize_weight(w * smoothing[:, None])[0]
-        exact = rows @ w
-        error += float(np.sum((xq @ wq - exact) ** 2) / max(np.sum(exact ** 2), 1e-30))
+        want = rows @ w if exact is None else exact[index]
+        error += float(np.sum((xq @ wq - want) ** 2) / max(np.sum(want ** 2), 1e-30))
     return error
 
 

@@ -17,6 +17,11 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 # Rows whose float64 log-softmax is held at once: a prompt chunk's every row at a 150k vocabulary
 # would take 600 MB at 512 rows; 32 keep it under 40 MB.
 ROWS_AT_ONCE = 32
+# Rows exponentiated at once: a temporary that stays in cache (16 rows of a 49k vocabulary, 6 MB)
+# instead of one as large as the logits. On a 255 x 49152 window (`llmc check`, the accuracy
+# gate) the log-softmax took 0.07 s instead of 0.3-0.4 s, with the same result bit for bit: each
+# row is reduced alone either way.
+EXP_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -31,9 +36,20 @@ class TokenLogprob:
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Log-probabilities over the last axis, in float64."""
-    logits = logits.astype(np.float64)
-    shifted = logits - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    out = np.array(logits, dtype=np.float64)
+    out -= out.max(-1, keepdims=True)
+    out -= np.log(row_sums(np.exp, out))[..., None]
+    return out
+
+
+def row_sums(function, *arrays: np.ndarray) -> np.ndarray:
+    """`function(*arrays).sum(-1)` for arrays of one shape, computed `EXP_ROWS` rows at a time."""
+    shape = arrays[0].shape
+    rows = [a.reshape(-1, shape[-1]) for a in arrays]
+    sums = np.empty(len(rows[0]))
+    for begin in range(0, len(sums), EXP_ROWS):
+        sums[begin:begin + EXP_ROWS] = function(*(r[begin:begin + EXP_ROWS] for r in rows)).sum(-1)
+    return sums.reshape(shape[:-1])
 
 
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
