@@ -17,10 +17,10 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 # Rows whose float64 log-softmax is held at once: a prompt chunk's every row at a 150k vocabulary
 # would take 600 MB at 512 rows; 32 keep it under 40 MB.
 ROWS_AT_ONCE = 32
-# Rows exponentiated at once: a temporary that stays in cache (16 rows of a 49k vocabulary, 6 MB)
-# instead of one as large as the logits. On a 255 x 49152 window (`llmc check`, the accuracy
-# gate) the log-softmax took 0.07 s instead of 0.3-0.4 s, with the same result bit for bit: each
-# row is reduced alone either way.
+# Rows exponentiated at once: temporaries of 16 rows (6 MB at a 49k vocabulary) instead of
+# arrays as large as the logits, each a fresh allocation. On a 255 x 49152 window (`llmc check`,
+# the accuracy gate) the log-softmax took 0.07 s instead of 0.3-0.4 s, with the same result bit
+# for bit: each row is reduced alone either way.
 EXP_ROWS = 16
 
 
