@@ -1,6 +1,8 @@
-"""Shared fixtures, made once per test session: tiny-llama exported and compiled, the trained
+"""Shared fixtures, made once per test run: tiny-llama exported and compiled, the trained
 model, and the random-weight Hugging Face checkpoints with their exports (a torch.onnx dynamo
-export of a 2-layer model takes 6-11 s; several modules test the same ones).
+export of a 2-layer model takes 6-11 s; several modules test the same ones). Under pytest-xdist
+(`pytest -n 2`) the workers share them: the first to ask makes one, the others wait for it
+(`made_once`).
 
 pytest runs with --import-mode=importlib, which does not put test folders on sys.path; this
 file adds `tests/` so that fixture factories (`hf_checkpoints`) import by plain name.
@@ -8,6 +10,9 @@ file adds `tests/` so that fixture factories (`hf_checkpoints`) import by plain 
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +23,25 @@ TESTS_DIR = str(Path(__file__).resolve().parent)
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
+from shared_cache import locked  # noqa: E402  (found through the path just added)
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]):
+    """`make(folder)`'s result (JSON-able), made once per run in an empty `folder` of its own by
+    whichever pytest-xdist worker asks first; the others wait, then read the result it recorded.
+    A `make` that raises records nothing: the next to ask tries again."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common folder
+    folder, result = root / name, root / f"{name}.json"
+    with locked(folder):
+        if not result.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            staged = result.with_suffix(".partial")
+            staged.write_text(json.dumps(make(folder)))
+            staged.replace(result)
+    return json.loads(result.read_text())
+
 
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
@@ -25,14 +49,10 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
     per session; treat as read-only."""
     from hf_checkpoints import write_hf_checkpoint
 
-    folders: dict[tuple[str, bool], Path] = {}
-
     def get(family: str, sharded: bool = False) -> Path:
-        key = (family, sharded)
-        if key not in folders:
-            name = f"{family}-{'sharded' if sharded else 'single'}"
-            folders[key] = write_hf_checkpoint(tmp_path_factory.mktemp(name), family, sharded=sharded)
-        return folders[key]
+        name = f"{family}-{'sharded' if sharded else 'single'}"
+        return Path(made_once(tmp_path_factory, name,
+                              lambda folder: str(write_hf_checkpoint(folder, family, sharded=sharded))))
 
     return get
 
@@ -44,22 +64,21 @@ def hf_export(hf_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Callab
     exporter cannot run here (Optimum without its venv) skips."""
     from exporters import ExporterUnavailable, export_decoder
 
-    exports: dict[tuple[str, str, str], Path | ExporterUnavailable] = {}
-
     def get(family: str, exporter: str, attention: str = "eager") -> Path:
         if exporter in ("llmc", "optimum"):  # they export one attention whatever is asked
             attention = "default"
-        key = (family, exporter, attention)
-        if key not in exports:
-            folder = tmp_path_factory.mktemp(f"{family}-{exporter}-{attention}")
+
+        def make(folder: Path) -> dict:
             try:
-                exports[key] = export_decoder(hf_checkpoint(family), exporter, folder / "model.onnx",
-                                              attention=attention)
+                path = export_decoder(hf_checkpoint(family), exporter, folder / "model.onnx", attention=attention)
             except ExporterUnavailable as exc:
-                exports[key] = exc
-        if isinstance(exports[key], ExporterUnavailable):
-            pytest.skip(str(exports[key]))
-        return exports[key]
+                return {"skip": str(exc)}
+            return {"path": str(path)}
+
+        made = made_once(tmp_path_factory, f"{family}-{exporter}-{attention}", make)
+        if "skip" in made:
+            pytest.skip(made["skip"])
+        return Path(made["path"])
 
     return get
 
@@ -69,20 +88,22 @@ def tiny_llama_onnx(tmp_path_factory) -> Path:
     """tiny-llama exported with `llmc.export` (parity checked); treat as read-only."""
     from llmc.compiler.export import export
 
-    path = tmp_path_factory.mktemp("tiny-llama") / "model.onnx"
-    check = export("tiny-llama", path)
-    assert check.max_abs < 1e-4
-    return path
+    def make(folder: Path) -> str:
+        check = export("tiny-llama", folder / "model.onnx")
+        assert check.max_abs < 1e-4
+        return str(folder / "model.onnx")
+    return Path(made_once(tmp_path_factory, "tiny-llama", make))
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_engine(tiny_llama_onnx) -> Path:
+def tiny_llama_engine(tiny_llama_onnx, tmp_path_factory) -> Path:
     """tiny-llama compiled into an engine file; treat as read-only."""
     from llmc.compiler.build import compile_model
 
-    path = tiny_llama_onnx.parent / "engine.plan"
-    compile_model(tiny_llama_onnx, path)
-    return path
+    def make(folder: Path) -> str:
+        compile_model(tiny_llama_onnx, folder / "engine.plan")
+        return str(folder / "engine.plan")
+    return Path(made_once(tmp_path_factory, "tiny-llama-engine", make))
 
 
 @pytest.fixture(scope="session")
@@ -90,19 +111,21 @@ def trained_onnx(tmp_path_factory) -> Path:
     """The committed model trained on the standard library (data/pystdlib-llama), exported."""
     from llmc.compiler.export import export
 
-    path = tmp_path_factory.mktemp("pystdlib") / "model.onnx"
-    export(str(Path(__file__).resolve().parents[1] / "data" / "pystdlib-llama"), path)
-    return path
+    def make(folder: Path) -> str:
+        export(str(Path(__file__).resolve().parents[1] / "data" / "pystdlib-llama"), folder / "model.onnx")
+        return str(folder / "model.onnx")
+    return Path(made_once(tmp_path_factory, "pystdlib", make))
 
 
 @pytest.fixture(scope="session")
-def trained_engine(trained_onnx) -> Path:
+def trained_engine(trained_onnx, tmp_path_factory) -> Path:
     """The trained model compiled with default options; treat as read-only."""
     from llmc.compiler.build import compile_model
 
-    path = trained_onnx.parent / "trained.plan"
-    compile_model(trained_onnx, path)
-    return path
+    def make(folder: Path) -> str:
+        compile_model(trained_onnx, folder / "trained.plan")
+        return str(folder / "trained.plan")
+    return Path(made_once(tmp_path_factory, "pystdlib-engine", make))
 
 
 @pytest.fixture(scope="session")

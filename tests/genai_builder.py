@@ -14,7 +14,6 @@ Import as `from genai_builder import genai_model` (tests/ is on sys.path via tes
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -22,14 +21,11 @@ import tempfile
 from pathlib import Path
 
 from hf_checkpoints import write_hf_checkpoint
+from shared_cache import cache_dir, locked
 
 
 class BuilderRefused(Exception):
     """The builder cannot convert this family; the message is its last output lines."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMC_TEST_CACHE", Path.home() / ".cache" / "llmc-tests"))
 
 
 def genai_model(family: str, precision: str = "fp32", real_shape: bool = False) -> tuple[Path, Path]:
@@ -49,11 +45,17 @@ def genai_model(family: str, precision: str = "fp32", real_shape: bool = False) 
         (family if precision == "fp32" else f"{family}-{precision}") + ("-real-shape" if real_shape else ""))
     checkpoint, output = root / "checkpoint", root / "genai"
     refused = root / "refused.txt"
-    if refused.is_file():
-        raise BuilderRefused(refused.read_text())
-    if (output / "model.onnx").is_file() and (checkpoint / "config.json").is_file():
-        return checkpoint, output
+    with locked(root):
+        if refused.is_file():
+            raise BuilderRefused(refused.read_text())
+        if not ((output / "model.onnx").is_file() and (checkpoint / "config.json").is_file()):
+            _build(root, family, precision, real_shape)
+    return checkpoint, output
+
+
+def _build(root: Path, family: str, precision: str, real_shape: bool) -> None:
     root.mkdir(parents=True, exist_ok=True)
+    refused = root / "refused.txt"
     with tempfile.TemporaryDirectory(prefix=".build-", dir=root) as scratch:
         scratch = Path(scratch)
         write_hf_checkpoint(scratch / "checkpoint", family, real_shape=real_shape)
@@ -71,4 +73,3 @@ def genai_model(family: str, precision: str = "fp32", real_shape: bool = False) 
         for name in ("checkpoint", "genai"):  # moved in whole, so a half-built folder never counts
             shutil.rmtree(root / name, ignore_errors=True)
             (scratch / name).rename(root / name)
-    return checkpoint, output

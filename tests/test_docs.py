@@ -18,7 +18,7 @@ README_MAX_LINES = 150
 # The two set-up commands: .ci/run and the quickstart rely on these exact lines staying first.
 SETUP_COMMANDS = (
     "bash scripts/quickstart.sh ",
-    'python -m pip install --root-user-action=ignore -e ".[test]" && python -m pytest ',
+    'python -m pip install --root-user-action=ignore -e ".[test]" && python -m pytest -n 2 ',
 )
 
 

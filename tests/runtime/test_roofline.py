@@ -176,15 +176,14 @@ def test_bound_and_its_words():
 
 
 @pytest.fixture(scope="module")
-def engines(trained_onnx) -> dict[str, Path]:
+def engines(trained_onnx, trained_engine, tmp_path_factory) -> dict[str, Path]:
     """The trained model compiled in fp32 and with int4 weights."""
     from llmc.compiler.build import compile_model
     from llmc.precision.plan import PrecisionOptions
 
-    paths = {"fp32": trained_onnx.parent / "roofline-fp32.plan", "int4": trained_onnx.parent / "roofline-int4.plan"}
-    compile_model(trained_onnx, paths["fp32"])
-    compile_model(trained_onnx, paths["int4"], precision=PrecisionOptions(weights="int4", force=True))
-    return paths
+    int4 = tmp_path_factory.mktemp("roofline") / "int4.plan"
+    compile_model(trained_onnx, int4, precision=PrecisionOptions(weights="int4", force=True))
+    return {"fp32": trained_engine, "int4": int4}
 
 
 def loaded_graphs(path: Path) -> dict[str, onnx.GraphProto]:
