@@ -46,7 +46,7 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callabl
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`get(family, sharded=False) -> folder`: tests/hf_checkpoints.py's checkpoints, written once
-    per session; treat as read-only."""
+    per run (`made_once`); treat as read-only."""
     from hf_checkpoints import write_hf_checkpoint
 
     def get(family: str, sharded: bool = False) -> Path:
@@ -60,7 +60,7 @@ def hf_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Pat
 @pytest.fixture(scope="session")
 def hf_export(hf_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`get(family, exporter, attention="eager") -> model.onnx`: `hf_checkpoint(family)` through
-    tests/exporters.py's `exporter`, exported once per session; treat as read-only. A test whose
+    tests/exporters.py's `exporter`, exported once per run; treat as read-only. A test whose
     exporter cannot run here (Optimum without its venv) skips."""
     from exporters import ExporterUnavailable, export_decoder
 
