@@ -31,8 +31,11 @@ with 256, where it fits the few rows it sees.
 The logits projection is kept at 8 bits when int4 is asked (`LM_HEAD_UNDER_INT4`): int4 there
 cost SmolLM2 another +9 points of perplexity (+34% against +25%), int8 +0.5; with scaling on
 data/pystdlib-text's calibration text (lm_head scaled too), +20.8% against +10.3%. It costs decode
-speed: onnxruntime's 8-bit kernel took 1.31 ms for SmolLM2's lm_head against 1.03 ms at 4 bits (one
-token, 2 threads, no AMX), about 4% of a batch-1 int4 step.
+speed: in SmolLM2's int4 step (one token, 2 threads, no AMX) the 8-bit lm_head took 1.45 ms against
+1.07 ms at 4 bits under the profiler, and whole steps 0-18% longer, run to run (how much of the
+weights the machine's shared cache holds). Ranking at 4 bits and recomputing the 64 best words in
+fp32 from the tied embedding measured +12.3% (+11.7% with 256, +10.7% with 1,024), for
+0.2-0.35 ms of TopK, gathers and scatter a step: not taken.
 """
 
 from __future__ import annotations
