@@ -64,6 +64,10 @@ class EngineInspection:
             precision, why = compute_precision(parsed)
             lines.append(f"compute       {why}")
             lines.append(f"decode        {decode_model(precision, weight_only(parsed))[1]}")
+        if manifest["backend"] != "tensorrt":  # a CPU engine's weights live on malloc's heap
+            from llmc.runtime.huge_pages import summary
+
+            lines.append(f"memory pages  {summary()}")
         if manifest.get("tensorrt"):
             t = manifest["tensorrt"]
             portable = [kind for kind in ("hardware", "version") if t[f"{kind}_compatible"]]

@@ -241,8 +241,13 @@ def in_fresh_process(command: list[str], job: dict[str, Any]) -> Any:
     Every system gets one: a process that had just exported and compiled ran llmc's offline
     workload 10-15% slower than a fresh one, and llmc sets
     OpenMP's wait policy to passive when imported (llmc/__init__.py), which slowed transformers'
-    generate by about 12%: the baselines run with libgomp's defaults."""
+    generate by about 12%: the baselines run with libgomp's defaults. llmc's runs start with
+    malloc's heap on huge pages, as the `llmc` command does (runtime/huge_pages.py)."""
+    from llmc.runtime.huge_pages import environment as huge_pages
+
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if job["run"] in ("llmc", "interference"):
+        environment = huge_pages(environment) or environment
     done = subprocess.run([sys.executable, *command],
                           env=environment, text=True, input=json.dumps(job), stdout=subprocess.PIPE)
     if done.returncode != 0:

@@ -106,11 +106,25 @@ def main(debug):
 _owns_process = False
 
 
+# The commands that run an engine (each calls `share_threads`): their process starts again with
+# malloc's heap on huge pages (runtime/huge_pages.py) before doing anything.
+ENGINE_COMMANDS = ("bench", "check", "profile", "run", "serve")
+
+
 def entry() -> None:
     """The `llmc` command."""
     global _owns_process
     _owns_process = True
+    if _command(sys.argv[1:]) in ENGINE_COMMANDS:
+        from llmc.runtime.huge_pages import restart_with_huge_pages
+
+        restart_with_huge_pages()
     main()
+
+
+def _command(args: list[str]) -> str | None:
+    """The command `args` name: the first word that is not an option (the group's are flags)."""
+    return next((arg for arg in args if not arg.startswith("-")), None)
 
 
 def share_threads(threads: int | None) -> None:
