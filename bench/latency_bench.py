@@ -281,7 +281,8 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     loaded = time.perf_counter() - _T0
     import numpy as np
 
-    ready: dict[str, Any] = {"rss_after_load_mib": _rss_mib(), "load_s": round(loaded, 3)}
+    ready: dict[str, Any] = {"rss_after_load_mib": _rss_mib(), "load_s": round(loaded, 3),
+                             "huge_pages_after_load_mib": stepped.huge_pages_mib()}
     rng = np.random.default_rng(job["seed"])
     _, times = runner.generate(_prompts(rng, 1, SHORT_PROMPT, runner.vocab), 1)
     ready["load_first_token_s"] = round(times[0][0] - _T0, 3)

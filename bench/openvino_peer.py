@@ -240,6 +240,7 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     import numpy as np
     import openvino as ov
     import openvino_genai as og
+    import stepped
 
     properties = {"INFERENCE_NUM_THREADS": job["threads"]}
     if job.get("hint"):
@@ -250,6 +251,7 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     cpu0, wall0 = sum(os.times()[:2]), time.perf_counter()
     pipe = og.LLMPipeline(job["model"], "CPU", **properties)
     ready["load_s"] = round(time.perf_counter() - wall0, 3)
+    ready["huge_pages_after_load_mib"] = stepped.huge_pages_mib()
 
     batching = None  # the continuous batching pipeline, once the batch step has made it
 

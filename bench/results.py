@@ -195,6 +195,7 @@ def render_latency(result: Result) -> list[str]:
         lines += ["", openvino_note((result.get("openvino", default=None) or {}).get("versions"))
                   + " Its int4: asymmetric, groups of 32. \"-\": a row its runs do not measure."]
     lines += render_llmc_openvino(result)
+    lines += huge_pages_note(result)
     for what, error in (result.get("peer_errors", default=None) or {}).items():
         lines += ["", f"Not measured (\"-\" above): {what}: {error}"]
     for precision, agreement in (result.get("real_text_agreement", default=None) or {}).items():
@@ -207,6 +208,25 @@ def render_latency(result: Result) -> list[str]:
         if "profile" in row:
             lines += time_went(row["measure"], row["profile"])
     return lines
+
+
+def huge_pages_note(result: Result) -> list[str]:
+    """Each system's memory on 2 MiB pages once its fp32 model is loaded (the median over the
+    runs), for a file whose workers reported it."""
+    names = {"llmc": "llmc", "genai": "onnxruntime-genai", **OPENVINO,
+             **{name: label for name, (label, _) in LLMC_OPENVINO.items()}}
+    held = {}
+    for system, by_precision in (result.get("runs", default=None) or {}).items():
+        values = sorted(run["huge_pages_after_load_mib"] for run in by_precision.get("fp32", [])
+                        if run.get("huge_pages_after_load_mib") is not None)
+        if values:
+            held[names.get(system, system)] = values[len(values) // 2]
+    if not held:
+        return []
+    return ["", "Memory on 2 MiB pages once loaded, fp32 (MiB): "
+            + ", ".join(f"{name} {num(mib)}" for name, mib in held.items())
+            + ". llmc's processes start with malloc's heap on transparent huge pages, as the `llmc` command "
+              "does (docs/running.md); the peers run as they ship."]
 
 
 # llmc's own OpenVINO backend (latency_bench's LLMC_OPENVINO): system -> (its label, the peer it faces)
