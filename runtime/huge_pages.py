@@ -3,8 +3,8 @@
 A decode step reads every weight once, and onnxruntime's and OpenVINO's prepacked weights live on
 malloc's heap: with 4 KiB pages the step walks the page tables every 4 KiB of them. Backed by
 2 MiB pages, measured on SmolLM2-135M on a 2-core Xeon, each engine in two processes alternating:
-batch-1 decode +10-12% int4 and +8% fp32 (onnxruntime), +14% int4 on the OpenVINO backend, a
-128-token prompt 4% faster, a static batch of 16 unchanged; resident memory the same.
+batch-1 decode 6-12% faster at int4 and 4-8% at fp32 (onnxruntime), 14% at int4 on the OpenVINO
+backend, a 128-token prompt 4% faster, a static batch of 16 the same; resident memory 5-15 MiB more.
 
 glibc reads its malloc tunables once, as the process starts. So the `llmc` command starts itself
 again with them set before running an engine (`restart_with_huge_pages`, called by cli/common.py
@@ -21,10 +21,13 @@ from typing import Mapping
 
 TUNABLES = {
     "glibc.malloc.hugetlb": "1",  # malloc advises huge pages (MADV_HUGEPAGE) for what it maps
-    # With hugetlb alone, load + first token of SmolLM2-135M fp32 took 2.4-2.7 s instead of
-    # 1.1-1.2 s; with allocations up to 32 MiB taken from the heap, which grows 32 MiB at a time
-    # and keeps up to 128 MiB free at its top, 0.9-1.4 s.
-    "glibc.malloc.mmap_threshold": str(32 << 20),
+    # The heap grows 32 MiB at a time, keeps up to 128 MiB free at its top, and holds allocations
+    # below 8 MiB. Measured on SmolLM2-135M (medians of 5 loads, load + first token): hugetlb
+    # alone took 1.9 s instead of 1.2 (fp32) and 5.8 s instead of 4.1 with 105 MiB more resident
+    # (OpenVINO bf16); these, 1.2 s and 4.4 s, +5 and +15 MiB. Holding allocations up to 32 MiB
+    # cost OpenVINO 240 MiB more resident; leaving the threshold at glibc's 128 KiB (which setting
+    # top_pad fixes) left a third of the fp32 weights on small pages, and fp32 decode no faster.
+    "glibc.malloc.mmap_threshold": str(8 << 20),
     "glibc.malloc.top_pad": str(32 << 20),
     "glibc.malloc.trim_threshold": str(128 << 20),
 }
