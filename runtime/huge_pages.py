@@ -5,6 +5,8 @@ malloc's heap: with 4 KiB pages the step walks the page tables every 4 KiB of th
 2 MiB pages, measured on SmolLM2-135M on a 2-core Xeon, each engine in two processes alternating:
 batch-1 decode 6-12% faster at int4 and 4-8% at fp32 (onnxruntime), 14% at int4 on the OpenVINO
 backend, a 128-token prompt 4% faster, a static batch of 16 the same; resident memory 5-15 MiB more.
+An OpenVINO engine loads slower with them (SmolLM2 bf16, medians of 6 alternating loads: 6.8 s
+against 4.6 s; an onnxruntime one in the same time): `LLMC_HUGE_PAGES=0` where that matters more.
 
 glibc reads its malloc tunables once, as the process starts. So the `llmc` command starts itself
 again with them set before running an engine (`restart_with_huge_pages`, called by cli/common.py
@@ -23,10 +25,10 @@ TUNABLES = {
     "glibc.malloc.hugetlb": "1",  # malloc advises huge pages (MADV_HUGEPAGE) for what it maps
     # The heap grows 32 MiB at a time, keeps up to 128 MiB free at its top, and holds allocations
     # below 8 MiB. Measured on SmolLM2-135M (medians of 5 loads, load + first token): hugetlb
-    # alone took 1.9 s instead of 1.2 (fp32) and 5.8 s instead of 4.1 with 105 MiB more resident
-    # (OpenVINO bf16); these, 1.2 s and 4.4 s, +5 and +15 MiB. Holding allocations up to 32 MiB
-    # cost OpenVINO 240 MiB more resident; leaving the threshold at glibc's 128 KiB (which setting
-    # top_pad fixes) left a third of the fp32 weights on small pages, and fp32 decode no faster.
+    # alone took 1.9 s instead of 1.2 (fp32) and held 105 MiB more resident (OpenVINO bf16);
+    # these, 1.2 s, and +5 and +15 MiB. Holding allocations up to 32 MiB cost OpenVINO 240 MiB
+    # more resident; leaving the threshold at glibc's 128 KiB (which setting top_pad fixes) left a
+    # third of the fp32 weights on small pages, and fp32 decode no faster.
     "glibc.malloc.mmap_threshold": str(8 << 20),
     "glibc.malloc.top_pad": str(32 << 20),
     "glibc.malloc.trim_threshold": str(128 << 20),
