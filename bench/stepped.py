@@ -53,7 +53,7 @@ def _answer(answers, figures: dict[str, Any]) -> None:
 
 def huge_pages_mib() -> float | None:
     """This process's memory on transparent huge pages (MiB), which a worker reports once loaded
-    (llmc's start with malloc's heap on them: runtime/huge_pages.py)."""
+    (llmc's workers start with malloc's heap on them: runtime/huge_pages.py)."""
     try:
         with open("/proc/self/smaps_rollup") as f:
             return next(round(int(line.split()[1]) / 1024, 1) for line in f if line.startswith("AnonHugePages:"))
