@@ -527,7 +527,7 @@ def share_of_limit(value: float | None, limit: dict | None, higher: bool) -> flo
 
 def worker(job: dict[str, Any]) -> stepped.Worker:
     """`start(job)` in a fresh interpreter, loaded; OMP_WAIT_POLICY is left for each system to set,
-    and llmc's starts with malloc's heap on huge pages, as the `llmc` command does."""
+    and llmc's starts with malloc's heap on huge pages, as `llmc serve` does."""
     from llmc.runtime.huge_pages import environment as huge_pages
 
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}

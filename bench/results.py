@@ -225,7 +225,7 @@ def huge_pages_note(result: Result) -> list[str]:
         return []
     return ["", "Memory on 2 MiB pages once loaded, fp32 (MiB): "
             + ", ".join(f"{name} {num(mib)}" for name, mib in held.items())
-            + ". llmc's processes start with malloc's heap on transparent huge pages, as the `llmc` command "
+            + ". llmc's processes start with malloc's heap on transparent huge pages, as `llmc serve` "
               "does (docs/running.md); the peers run as they ship."]
 
 

@@ -242,7 +242,7 @@ def in_fresh_process(command: list[str], job: dict[str, Any]) -> Any:
     workload 10-15% slower than a fresh one, and llmc sets
     OpenMP's wait policy to passive when imported (llmc/__init__.py), which slowed transformers'
     generate by about 12%: the baselines run with libgomp's defaults. llmc's runs start with
-    malloc's heap on huge pages, as the `llmc` command does (runtime/huge_pages.py)."""
+    malloc's heap on huge pages, as `llmc serve` does (runtime/huge_pages.py)."""
     from llmc.runtime.huge_pages import environment as huge_pages
 
     environment = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}

@@ -106,9 +106,11 @@ def main(debug):
 _owns_process = False
 
 
-# The commands that run an engine (each calls `share_threads`): their process starts again with
-# malloc's heap on huge pages (runtime/huge_pages.py) before doing anything.
-ENGINE_COMMANDS = ("bench", "check", "profile", "run", "serve")
+# The commands that keep an engine loaded to serve or measure it: their process starts again with
+# malloc's heap on huge pages (runtime/huge_pages.py) before doing anything. Not `run` or `check`,
+# which load one for a single job: a 1B fp32 engine took 17.7-21.2 s to load and give a first
+# token on huge pages, against 6.6-14.7 s.
+ENGINE_COMMANDS = ("bench", "profile", "serve")
 
 
 def entry() -> None:

@@ -5,12 +5,13 @@ malloc's heap: with 4 KiB pages the step walks the page tables every 4 KiB of th
 2 MiB pages, measured on SmolLM2-135M on a 2-core Xeon, each engine in two processes alternating:
 batch-1 decode 6-12% faster at int4 and 4-8% at fp32 (onnxruntime), 14% at int4 on the OpenVINO
 backend, a 128-token prompt 4% faster, a static batch of 16 the same; resident memory 5-15 MiB more.
-An OpenVINO engine loads slower with them (SmolLM2 bf16, medians of 6 alternating loads: 6.8 s
-against 4.6 s; an onnxruntime one in the same time): `LLMC_HUGE_PAGES=0` where that matters more.
+Loading is slower with them where much memory is new to the process (load and first token:
+SmolLM2 bf16 on OpenVINO 6.8 s against 4.6 s, medians of 6 alternating loads; a 1B fp32 engine
+17.7-21.2 s against 6.6-14.7 s, 2 loads each; SmolLM2 fp32 on onnxruntime the same).
 
-glibc reads its malloc tunables once, as the process starts. So the `llmc` command starts itself
-again with them set before running an engine (`restart_with_huge_pages`, called by cli/common.py
-`entry`); a program that loads engines through the Python API gets them by starting with
+glibc reads its malloc tunables once, as the process starts. So the `llmc` commands that keep an
+engine loaded start themselves again with them set (`restart_with_huge_pages`, called by
+cli/common.py `entry`); a program that loads engines through the Python API gets them by starting with
 `GLIBC_TUNABLES` as `environment` gives it (bench/latency_bench.py's workers do).
 """
 
@@ -95,4 +96,4 @@ def summary() -> str:
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" in tunables and "glibc.malloc.hugetlb=1" not in tunables:
         return f"as GLIBC_TUNABLES sets ({tunables})"
-    return "2 MiB transparent huge pages behind the heap (the llmc command sets GLIBC_TUNABLES)"
+    return "2 MiB transparent huge pages behind the heap (llmc serve, bench and profile set GLIBC_TUNABLES)"
