@@ -11,8 +11,8 @@ SmolLM2 bf16 on OpenVINO 6.8 s against 4.6 s, medians of 6 alternating loads; a 
 
 glibc reads its malloc tunables once, as the process starts. So the `llmc` commands that keep an
 engine loaded start themselves again with them set (`restart_with_huge_pages`, called by
-cli/common.py `entry`); a program that loads engines through the Python API gets them by starting with
-`GLIBC_TUNABLES` as `environment` gives it (bench/latency_bench.py's workers do).
+cli/common.py `entry`); a program that loads engines through the Python API gets them by starting
+with `GLIBC_TUNABLES` as `environment` gives it (the benchmarks' llmc workers do).
 """
 
 from __future__ import annotations
@@ -67,14 +67,17 @@ def environment(env: Mapping[str, str] = os.environ) -> dict[str, str] | None:
     """`env` with `TUNABLES` added to its GLIBC_TUNABLES, or None when huge pages are unavailable
     or `env` already names glibc.malloc.hugetlb (the user's choice stands). Tunables it already
     sets keep their values."""
-    if unavailable(env) is not None:
+    given = _given(env)
+    if unavailable(env) is not None or "glibc.malloc.hugetlb" in given:
         return None
-    given = [item for item in env.get("GLIBC_TUNABLES", "").split(":") if item]
-    names = {item.partition("=")[0] for item in given}
-    if "glibc.malloc.hugetlb" in names:
-        return None
-    added = [f"{name}={value}" for name, value in TUNABLES.items() if name not in names]
-    return {**env, "GLIBC_TUNABLES": ":".join(given + added)}
+    tunables = {**TUNABLES, **given}
+    return {**env, "GLIBC_TUNABLES": ":".join(f"{name}={value}" for name, value in tunables.items())}
+
+
+def _given(env: Mapping[str, str]) -> dict[str, str]:
+    """The tunables `env`'s GLIBC_TUNABLES sets, by name."""
+    items = (item.partition("=") for item in env.get("GLIBC_TUNABLES", "").split(":") if item)
+    return {name: value for name, _, value in items}
 
 
 def restart_with_huge_pages() -> None:
@@ -93,7 +96,6 @@ def summary() -> str:
     reason = unavailable()
     if reason is not None:
         return f"4 KiB pages ({reason})"
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" in tunables and "glibc.malloc.hugetlb=1" not in tunables:
-        return f"as GLIBC_TUNABLES sets ({tunables})"
+    if _given(os.environ).get("glibc.malloc.hugetlb", "1") != "1":
+        return f"as GLIBC_TUNABLES sets ({os.environ['GLIBC_TUNABLES']})"
     return "2 MiB transparent huge pages behind the heap (llmc serve, bench and profile set GLIBC_TUNABLES)"
