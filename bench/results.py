@@ -465,11 +465,17 @@ BENCHMARKS = [
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2.json",
               render_latency),
     Benchmark("latency_smollm2_no_amx.json", "Latency on a CPU without AMX: SmolLM2-135M",
-              "The same rows on a Xeon that shows avx512_bf16, avx512_fp16 and VNNI but not AMX (as AMD's Zen 4\n"
-              "and 5 do): bf16 compute runs on AVX-512, and llmc's `--bf16`\n"
-              "OpenVINO engines run steps of more than 8 tokens on a second model at f32, and a weight-only\n"
-              "one computes in f32 throughout (docs/running.md).",
+              "The same rows on a Xeon that shows avx512_bf16, avx512_fp16 and VNNI but not AMX: bf16 compute\n"
+              "runs on AVX-512, no faster than f32 on a prompt, so llmc's `--bf16` OpenVINO engines run steps of\n"
+              "more than 8 tokens on a second model at f32, and a weight-only one computes in f32 throughout\n"
+              "(docs/running.md).",
               "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2_no_amx.json",
+              render_latency),
+    Benchmark("latency_smollm2_amd.json", "Latency on an AMD CPU: SmolLM2-135M",
+              "The same rows on an AMD EPYC with avx512_bf16 and VNNI (no AMX), whose AVX-512 computes bf16\n"
+              "products at twice the f32 rate: llmc's `--bf16` OpenVINO engines run every step on one bf16 model,\n"
+              "a weight-only one computes in f32 throughout (docs/running.md).",
+              "python bench/latency_bench.py --model smollm2 --save-json bench/results/latency_smollm2_amd.json",
               render_latency),
     Benchmark("latency_llama_1b.json", "Latency at 1B parameters: the same rows on a larger model",
               "The same measurements on a Llama of TinyLlama-1.1B's shape (random weights, 4.4 GB in fp32) with\n"
@@ -502,6 +508,10 @@ BENCHMARKS = [
     Benchmark("serving_smollm2_no_amx.json", "Serving throughput on a CPU without AMX: SmolLM2-135M",
               "The same SmolLM2-135M workload on the Xeon without AMX of the latency section above.",
               "python bench/serving_bench.py --model smollm2 --save-json bench/results/serving_smollm2_no_amx.json",
+              render_serving),
+    Benchmark("serving_smollm2_amd.json", "Serving throughput on an AMD CPU: SmolLM2-135M",
+              "The same SmolLM2-135M workload on the AMD EPYC of the latency section above.",
+              "python bench/serving_bench.py --model smollm2 --save-json bench/results/serving_smollm2_amd.json",
               render_serving),
     Benchmark("serving_llama_1b.json", "Serving throughput at 1B parameters",
               "The same on a Llama of TinyLlama-1.1B's shape (random weights, prompts of real text), 32 requests;\n"

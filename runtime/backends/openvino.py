@@ -55,21 +55,30 @@ against 10.83 on the one bf16 model with its bf16 cache and 10.85 at f32 with an
 also the cache OpenVINO's CPU plugin keeps where a model names none. The second copy of the
 quantized weights is loaded where the memory available holds three times the engine file.
 
-On a CPU with avx512_bf16 but no AMX, the CPU plugin's bf16 products run on AVX-512: faster than
-f32 where a step reads its weights once for few tokens (half the bytes), slower where it computes
-many. So the split runs the other way (`F32_PROMPTS`): steps of up to 8 tokens on the bf16 model,
+On a CPU with avx512_bf16 but no AMX, the CPU plugin's bf16 products run on AVX-512, and what
+they gain depends on the maker. On Intel's, measured on a Xeon, they are faster than f32 where a
+step reads its weights once for few tokens (half the bytes), slower where it computes many. So
+there the split runs the other way (`F32_PROMPTS`): steps of up to 8 tokens on the bf16 model,
 longer ones on the same graph compiled at f32, both over one u8 pool as above. Measured on 2 cores
 of a Xeon without AMX (SmolLM2-135M, alternated in one process, medians of 5): f32 against bf16,
 a decode of one sequence 1.27-1.35x the time, 8-token prompt level, 16 sequences 0.96x, prompts
 of 32, 128 and 1,024 tokens 0.85x, 0.65x, 0.62x; the u8 cache against bf16's level at both
 precisions (up to 1,024 tokens of context). Perplexity, teacher-forced on 768 tokens of held-out
 Python source each fed as a decode step after a 64-token prompt: 12.12, against 12.14 on the one
-bf16 model with its bf16 cache. A weight-only quantized engine there computes in f32 throughout, on
-one model, its cache in the engine's type (`compute_precision`): its int4 or int8 weights are read
-alike at either precision, and bf16 gained nothing (measured at int4, not int8). Measured the same
-way (SmolLM2-135M int4, medians of 7, two runs), one f32 model with an f32 or f16 cache against the
-bf16/f32 split: a decode of one sequence 0.93x the time at 128 tokens of context and 0.81-0.86x at
-1,024, of 16 sequences 0.83-0.88x, prompts of 8-128 tokens 0.96-1.03x, of 1,024 0.82-0.90x.
+bf16 model with its bf16 cache. AMD's Zen 4 and 5 compute bf16 products at twice their f32 rate,
+so there bf16 is faster on prompts and batches too, and one bf16 model runs every step
+(`BF16_DOUBLE_RATE_VENDORS`). Measured on 2 cores of an AMD EPYC (SmolLM2-135M, one bf16 model
+against the split, 3 pairs of processes in turn): 128-token prompts 0.55-0.58x the time,
+1,024-token ones 0.58-0.62x, 16 sequences' decode 1.4-1.6x the rate, one sequence's level.
+
+A weight-only quantized engine without AMX computes in f32 throughout, on one model, its cache in
+the engine's type (`compute_precision`): its int4 or int8 weights are read alike at either
+precision, and bf16 gained nothing (measured at int4, not int8; on the AMD EPYC too, 2 pairs:
+128-token prompts 0.94-1.06x the time, one sequence's decode 0.85-1.02x the rate). Measured on the
+Xeon (SmolLM2-135M int4, medians of 7, two runs), one f32 model with an f32 or f16 cache against
+the bf16/f32 split: a decode of one sequence 0.93x the time at 128 tokens of context and
+0.81-0.86x at 1,024, of 16 sequences 0.83-0.88x, prompts of 8-128 tokens 0.96-1.03x, of 1,024
+0.82-0.90x.
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
@@ -99,7 +108,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from llmc.errors import LlmcError
-from llmc.formats.cpu_features import cpu_flags, native_bf16
+from llmc.formats.cpu_features import cpu_flags, cpu_vendor, native_bf16
 from llmc.formats.engine_file import EngineFile, FileRange, bind_weights
 from llmc.plugins.paged_attention import OPENVINO_BLOCK_SIZE as BLOCK_SIZE
 from llmc.runtime.backends.base import BackendOptions, PoolPlacement
@@ -130,6 +139,9 @@ FUSED_MLP_TRIALS = (32, 64, 128, 256)
 TRIAL_TAKES = 3  # timed calls of each model at each size, after an untimed one (the size's first)
 # AMX: what the CPU plugin's fused MLP needs; without it, bf16 products run on AVX-512.
 AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})
+# The makers whose AVX-512 computes bf16 products at twice the f32 rate (AMD's Zen 4 and 5), so
+# that without AMX prompts run faster in bf16 too (see the module's notes).
+BF16_DOUBLE_RATE_VENDORS = {"AuthenticAMD": "AMD"}  # vendor id -> the maker's name
 # The pool's NumPy element type for each OpenVINO cache type (NumPy has no bf16: its bits as uint16).
 POOL_STORAGE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "u8": np.uint8}
 WEIGHT_ONLY = frozenset({"int4", "int8-weights"})  # the manifest's names of weight-only quantized linears
@@ -165,17 +177,22 @@ def compute_precision(manifest, flags: frozenset[str] | None = None) -> tuple[st
 
 
 def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None = None,
-                 threads: int | None = None) -> tuple[str | None, str]:
+                 threads: int | None = None, vendor: str | None = None) -> tuple[str | None, str]:
     """(kind, why): which second model decode steps run on, `FUSED_MLP`, `F32_DECODES`,
     `F32_PROMPTS` or None (one model for every step); `why` in words for `llmc inspect`. All need
     bf16 compute. With AMX: the fused MLP needs float weights and 2 threads or more (OpenVINO 2026.4
     fails compiling it for one thread with a floating-point exception); weight-only quantized
-    products decode faster at f32 (`quantized`). Without AMX, bf16 products run on AVX-512, faster
-    than f32 on a decode (half the weight bytes) and slower on a prompt: prompts go to an f32 model.
-    `threads` None: not known yet."""
+    products decode faster at f32 (`quantized`). Without AMX, bf16 products run on AVX-512: on
+    Intel's, faster than f32 on a decode (half the weight bytes) and slower on a prompt, so prompts
+    go to an f32 model; on AMD's (`vendor`), faster on both, so one bf16 model runs every step.
+    `threads` None: not known yet; `flags` and `vendor` None: this machine's."""
     flags = cpu_flags() if flags is None else flags
+    vendor = cpu_vendor() if vendor is None else vendor
     if precision != "bf16":
         return None, "one model for every step (a decode model needs bf16 compute)"
+    if not AMX_FLAGS <= flags and vendor in BF16_DOUBLE_RATE_VENDORS:
+        return None, (f"one model for every step, in bf16 (this {BF16_DOUBLE_RATE_VENDORS[vendor]} CPU computes "
+                      "bf16 products at twice the f32 rate without AMX: prompts run faster in bf16 too)")
     if not AMX_FLAGS <= flags:
         return F32_PROMPTS, (f"steps of up to {DECODE_STEP_TOKENS[F32_PROMPTS]} tokens in bf16, longer ones on a "
                              "second model computing in f32 (without AMX, prompts run faster in it), over a u8 KV "

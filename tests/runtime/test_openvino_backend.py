@@ -243,9 +243,16 @@ def test_a_second_model_of_a_kind_picked_by_the_cpu_only_under_bf16(engines):
     for quantized in (False, True):
         assert decode_model("f32", quantized, amx) == (None, "one model for every step (a decode model needs bf16 "
                                                              "compute)")
-    # without AMX (float weights: a quantized engine computes in f32 there): decodes in bf16, prompts
-    # on an f32 model, over a shared u8 cache
-    assert decode_model("bf16", False, frozenset({"avx512_bf16"}))[0] == F32_PROMPTS
+    # without AMX (float weights: a quantized engine computes in f32 there): on Intel's AVX-512,
+    # decodes in bf16 and prompts on an f32 model, over a shared u8 cache; on AMD's, one bf16 model
+    no_amx = frozenset({"avx512_bf16"})
+    assert decode_model("bf16", False, no_amx, vendor="GenuineIntel")[0] == F32_PROMPTS
+    assert decode_model("bf16", False, no_amx, threads=1, vendor="GenuineIntel")[0] == F32_PROMPTS
+    assert decode_model("bf16", False, no_amx, vendor="AuthenticAMD") == (
+        None, "one model for every step, in bf16 (this AMD CPU computes bf16 products at twice the f32 rate without "
+              "AMX: prompts run faster in bf16 too)")
+    assert decode_model("bf16", False, amx, vendor="AuthenticAMD")[0] == FUSED_MLP  # AMX decides first
+    assert decode_model("f32", False, no_amx, vendor="AuthenticAMD")[0] is None
     text = inspect(engines["f32"]).text()
     assert "decode        one model for every step (a decode model needs bf16 compute)" in text
     assert _backend(engines["f32"]).small_request is None
@@ -461,7 +468,7 @@ def test_int4_prompts_in_bf16_and_decodes_in_f32_share_a_u8_cache(engines, refer
 
 @pytest.mark.skipif(not BF16_ON_HERE, reason="this CPU has neither avx512_bf16 nor AMX")
 def test_without_amx_prompts_run_in_f32_and_decodes_in_bf16_over_one_u8_cache(engines, reference, monkeypatch):
-    """A bf16 engine on a CPU without AMX (faked where it has one): prompts on an f32 model, steps of
+    """A bf16 engine on an Intel CPU without AMX (faked where it has one or is AMD's): prompts on an f32 model, steps of
     up to 8 tokens on a bf16 one, one u8 pool. The decode reads the keys the f32 prompt model
     stored: its logits stay as near the unmodified graph as the prompt model's."""
     import openvino as ov
@@ -469,6 +476,7 @@ def test_without_amx_prompts_run_in_f32_and_decodes_in_bf16_over_one_u8_cache(en
     from llmc.runtime.backends import openvino as backend_module
 
     monkeypatch.setattr(backend_module, "cpu_flags", lambda: cpu_flags() - {"amx_bf16", "amx_tile"})
+    monkeypatch.setattr(backend_module, "cpu_vendor", lambda: "GenuineIntel")
     path = engines["bf16"]
     assert "decode        steps of up to 8 tokens in bf16, longer ones on a second model computing in f32" in \
         inspect(path).text()
@@ -498,6 +506,25 @@ def test_without_amx_prompts_run_in_f32_and_decodes_in_bf16_over_one_u8_cache(en
         backend.run(StepPlan(PACKED, np.array(ids[:tokens]), np.arange(tokens),
                              PagedBatch(np.arange(4, 6)[None], np.array([0]), np.array([0, tokens])), np.array([0])))
         assert ran == [model]
+
+
+@pytest.mark.skipif(not BF16_ON_HERE, reason="this CPU has neither avx512_bf16 nor AMX")
+def test_on_amds_avx512_a_bf16_engine_runs_every_step_on_one_bf16_model(engines, monkeypatch):
+    """A bf16 engine on an AMD CPU without AMX (faked where it is another): no second model, the
+    pool in bf16, prompts and decodes on the one bf16 model (whose logits
+    test_bf16_steps_stay_near_the_unmodified_graph checks)."""
+    import openvino as ov
+
+    from llmc.runtime.backends import openvino as backend_module
+
+    monkeypatch.setattr(backend_module, "cpu_flags", lambda: cpu_flags() - {"amx_bf16", "amx_tile"})
+    monkeypatch.setattr(backend_module, "cpu_vendor", lambda: "AuthenticAMD")
+    path = engines["bf16"]
+    assert "decode        one model for every step, in bf16 (this AMD CPU" in inspect(path).text()
+    backend = _backend(path)
+    assert backend.precision == "bf16" and backend.small_request is None and backend.decode_step_tokens == 0
+    assert backend.kv.pool.dtype == np.uint16
+    assert backend.request.get_compiled_model().get_property("INFERENCE_PRECISION_HINT") == ov.Type.bf16
 
 
 @pytest.mark.skipif(not BF16_ON_HERE, reason="this CPU has neither avx512_bf16 nor AMX")
