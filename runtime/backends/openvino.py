@@ -75,11 +75,10 @@ A weight-only quantized engine without AMX computes in f32 throughout, on one mo
 the engine's type (`compute_precision`): its int4 or int8 weights are read alike at either
 precision, and bf16 gained nothing (measured at int4, not int8; on the AMD EPYC too, 6 pairs of
 processes: 128-token prompts 0.94-1.17x the time, one sequence's decode 0.82-1.02x the rate,
-16 sequences' 0.88-1.22x). Measured on the
-Xeon (SmolLM2-135M int4, medians of 7, two runs), one f32 model with an f32 or f16 cache against
-the bf16/f32 split: a decode of one sequence 0.93x the time at 128 tokens of context and
-0.81-0.86x at 1,024, of 16 sequences 0.83-0.88x, prompts of 8-128 tokens 0.96-1.03x, of 1,024
-0.82-0.90x.
+16 sequences' 0.88-1.22x). Measured on the Xeon (SmolLM2-135M int4, medians of 7, two runs), one
+f32 model with an f32 or f16 cache against the bf16/f32 split: a decode of one sequence 0.93x the
+time at 128 tokens of context and 0.81-0.86x at 1,024, of 16 sequences 0.83-0.88x, prompts of
+8-128 tokens 0.96-1.03x, of 1,024 0.82-0.90x.
 
 Compute precision is picked at load (`compute_precision`): bf16 where the engine was compiled
 with `--bf16` (its accuracy checked at compile time) and the CPU has avx512_bf16 or AMX, else
