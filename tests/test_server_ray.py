@@ -20,6 +20,8 @@ openai = pytest.importorskip("openai")
 from test_server import KEY, MODEL  # noqa: E402
 from tls import self_signed, trusting  # noqa: E402
 
+TIMEOUT_S = 4.0  # the servers' request timeout
+
 
 def _proxy_port() -> int:
     """A free port between Ray's worker ports (10002-19999) and the kernel's ephemeral range: a port
@@ -50,7 +52,9 @@ def ray_url(chat_engine, tmp_path_factory):
     try:
         serve.start(http_options=http_options("127.0.0.1", port, {"ssl_keyfile": str(key_file),
                                                                  "ssl_certfile": str(cert_file)}))
-        options = ServerOptions(model_name=MODEL, api_key=KEY, request_timeout_s=1.0)
+        # A limit a 12-token completion keeps well under on a busy machine (1 s was not), which
+        # the timeout test's request still passes many times over.
+        options = ServerOptions(model_name=MODEL, api_key=KEY, request_timeout_s=TIMEOUT_S)
         serve.run(application(str(chat_engine), options, {"max_num_seqs": 8}, replicas=2,
                               cpus_per_replica=0.5, threads=1), name="llmc", route_prefix="/")
         yield f"https://127.0.0.1:{port}", trusting(cert_file)
@@ -71,9 +75,9 @@ def test_the_key_and_the_timeout_hold_through_the_proxy(ray_url):
     assert httpx.post(f"{url}/v1/completions", json=body, verify=tls).status_code == 401
     keyed = {"Authorization": f"Bearer {KEY}"}
     assert httpx.post(f"{url}/v1/completions", json=body, verify=tls, headers=keyed).status_code == 200
-    # 16 × 511 tokens, 8 sequences a step: over 1,000 steps, more than a replica on half a core
-    # runs in the 1 s limit
-    long = {**body, "max_tokens": 511, "n": 16, "ignore_eos": True, "prompt": [5]}
+    # 4 prompts × 16 × 511 tokens, 8 sequences a step: over 4,000 steps, far more than a replica on
+    # half a core runs in the limit
+    long = {**body, "max_tokens": 511, "n": 16, "ignore_eos": True, "prompt": [[5], [6], [7], [8]]}
     answer = httpx.post(f"{url}/v1/completions", json=long, verify=tls, headers=keyed, timeout=60)
     assert answer.status_code == 504 and answer.json()["error"]["type"] == "timeout_error", answer.text
 
