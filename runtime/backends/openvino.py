@@ -66,11 +66,12 @@ of 32, 128 and 1,024 tokens 0.85x, 0.65x, 0.62x; the u8 cache against bf16's lev
 precisions (up to 1,024 tokens of context). Perplexity, teacher-forced on 768 tokens of held-out
 Python source each fed as a decode step after a 64-token prompt: 12.12, against 12.14 on the one
 bf16 model with its bf16 cache. AMD's Zen 4 and 5 compute bf16 products at twice their f32 rate
-(OpenVINO GenAI's own 2,048-token prompt on SmolLM2-135M: 1.76x as fast in bf16 as in f32 on an AMD
-EPYC, 0.61x on the Xeon), so there bf16 is faster on prompts and batches too, and one bf16 model runs every step
-(`BF16_DOUBLE_RATE_VENDORS`). Measured on 2 cores of an AMD EPYC (SmolLM2-135M, one bf16 model
-against the split, 3 pairs of processes in turn): 128-token prompts 0.55-0.58x the time,
-1,024-token ones 0.58-0.62x, 16 sequences' decode 1.4-1.6x the rate, one sequence's level.
+(OpenVINO GenAI's own 2,048-token prompt on SmolLM2-135M: 1.76x as fast in bf16 as in f32 on an
+AMD EPYC, 0.61x on the Xeon), so there bf16 is faster on prompts and batches too, and one bf16
+model runs every step (`BF16_DOUBLE_RATE_VENDORS`). Measured on 2 cores of an AMD EPYC
+(SmolLM2-135M, one bf16 model against the split, 3 pairs of processes in turn): 128-token prompts
+0.55-0.58x the time, 1,024-token ones 0.58-0.62x, 16 sequences' decode 1.4-1.6x the rate, one
+sequence's level.
 
 A weight-only quantized engine without AMX computes in f32 throughout, on one model, its cache in
 the engine's type (`compute_precision`): its int4 or int8 weights are read alike at either
@@ -188,13 +189,13 @@ def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None =
     go to an f32 model; on AMD's (`vendor`), faster on both, so one bf16 model runs every step.
     `threads` None: not known yet; `flags` and `vendor` None: this machine's."""
     flags = cpu_flags() if flags is None else flags
-    vendor = cpu_vendor() if vendor is None else vendor
     if precision != "bf16":
         return None, "one model for every step (a decode model needs bf16 compute)"
-    if not AMX_FLAGS <= flags and vendor in BF16_DOUBLE_RATE_VENDORS:
-        return None, (f"one model for every step, in bf16 (this {BF16_DOUBLE_RATE_VENDORS[vendor]} CPU computes "
-                      "bf16 products at twice the f32 rate without AMX: prompts run faster in bf16 too)")
     if not AMX_FLAGS <= flags:
+        vendor = cpu_vendor() if vendor is None else vendor
+        if vendor in BF16_DOUBLE_RATE_VENDORS:
+            return None, (f"one model for every step, in bf16 (this {BF16_DOUBLE_RATE_VENDORS[vendor]} CPU "
+                          "computes bf16 products at twice the f32 rate without AMX: prompts run faster in bf16 too)")
         return F32_PROMPTS, (f"steps of up to {DECODE_STEP_TOKENS[F32_PROMPTS]} tokens in bf16, longer ones on a "
                              "second model computing in f32 (without AMX, prompts run faster in it), over a u8 KV "
                              "cache both models share, where memory holds three times the engine file at load; off "
