@@ -47,8 +47,8 @@ from llmc.precision.dequantize_linear import INT4_BLOCK_SIZES  # TensorRT's int4
 from llmc.precision.gate import DEFAULT_MAX_PPL_INCREASE, split
 from llmc.precision.int8 import quantize_int8
 from llmc.precision.linears import linear_layers
-from llmc.precision.weight_only import (BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LM_HEAD_UNDER_INT4, SYMMETRIC,
-                                         quantize_weights)
+from llmc.precision.weight_only import (BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LM_HEAD_MIN_BLOCK_SIZE, LM_HEAD_UNDER_INT4,
+                                         SYMMETRIC, quantize_weights)
 from llmc.precision.weight_only import SAMPLE_ROWS as WEIGHT_SAMPLE_ROWS
 
 PRECISIONS = ("fp32", "fp16", "int8", "int8-dynamic", "int8-weights", "int4")
@@ -243,12 +243,18 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
         layers = [by_name[n] for n, p in chosen.items() if p == label]
         if not layers:
             continue
-        nodes, activations = {id(l.node) for l in layers}, None
+        activations = None
         if bits == 4 and calibration:  # activation-aware scaling (precision/awq.py)
             activations = observe(model, calibration, sorted({l.node.input[0] for l in layers}), histograms=False,
                                   sample_rows=WEIGHT_SAMPLE_ROWS, progress=progress)
-        quantize_weights(model, bits, block_size, select=lambda node: id(node) in nodes,
-                         symmetric=options.weights_symmetric, activations=activations)
+        # An 8-bit lm_head in blocks of its own length (precision/weight_only.py LM_HEAD_MIN_BLOCK_SIZE).
+        lm_head_block = max(block_size, LM_HEAD_MIN_BLOCK_SIZE) if bits == 8 else block_size
+        sizes = {id(l.node): lm_head_block if l.name == "lm_head" else block_size for l in layers}
+        for size in sorted(set(sizes.values())):
+            quantize_weights(model, bits, size, select=lambda node, size=size: sizes.get(id(node)) == size,
+                             symmetric=options.weights_symmetric, activations=activations)
+        if any(l.name == "lm_head" for l in layers):
+            entry["lm_head_block_size"] = lm_head_block
         entry["weights_block_size"] = block_size
         entry["weights_symmetric"] = options.weights_symmetric
         entry[f"{label}_activation_aware"] = activations is not None

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from llmc.compiler.build import compile_model
 from llmc.formats.onnx_io import infer_shapes
@@ -17,6 +17,7 @@ from llmc.llm import LLM
 from llmc.precision.check import ReferenceModel, check
 from llmc.precision.fp16 import convert_to_fp16, residual_adds
 from llmc.precision.plan import PrecisionOptions, apply_precision, check_options, read_config
+from llmc.precision.weight_only import DEFAULT_BLOCK_SIZE, LM_HEAD_MIN_BLOCK_SIZE
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 
@@ -81,6 +82,15 @@ def test_lm_head_rules_and_calibrated_int4(tiny_llama_onnx):
         assert set(entry["linears"].values()) == {lm_head, "int4" if options.weights else "int8-dynamic"}
     assert apply_precision(copy.deepcopy(model), PrecisionOptions(weights="int4", force=True), None, windows)[
         "int4_activation_aware"]
+    # lm_head at 8 bits takes blocks of at least LM_HEAD_MIN_BLOCK_SIZE; the other layers the asked size.
+    for asked, int4_block, lm_head_block in ((None, DEFAULT_BLOCK_SIZE, LM_HEAD_MIN_BLOCK_SIZE), (128, 128, 128)):
+        quantized = copy.deepcopy(model)
+        entry = apply_precision(quantized, PrecisionOptions(weights="int4", weights_block_size=asked, force=True),
+                                None, [])
+        blocks = {(a["bits"], a["block_size"]) for n in quantized.graph.node if n.op_type == "MatMulNBits"
+                  for a in [{x.name: helper.get_attribute_value(x) for x in n.attribute}]}
+        assert blocks == {(4, int4_block), (8, lm_head_block)}
+        assert entry["weights_block_size"] == int4_block and entry["lm_head_block_size"] == lm_head_block
     assert not apply_precision(copy.deepcopy(model), PrecisionOptions(weights="int4", force=True), None, [])[
         "int4_activation_aware"]
 
