@@ -491,6 +491,12 @@ BENCHMARKS = [
               "the one-token-a-step rows.",
               "python bench/latency_bench.py --model llama-1b --save-json bench/results/latency_llama_1b_no_amx.json",
               render_latency),
+    Benchmark("latency_llama_1b_amd.json", "Latency at 1B parameters on an AMD CPU",
+              "The 1B rows above on the AMD EPYC of the SmolLM2 section before: llmc's `--bf16` OpenVINO engine\n"
+              "runs every step on one bf16 model, its weight-only build computes in f32 throughout. Random weights\n"
+              "make greedy output repeat, which flatters llmc's guessing: read the one-token-a-step rows.",
+              "python bench/latency_bench.py --model llama-1b --save-json bench/results/latency_llama_1b_amd.json",
+              render_latency),
     Benchmark("serving.json", "Serving throughput: llmc against onnxruntime-genai and transformers",
               "A 32M-parameter Llama (random weights) serving 64 requests at once (prompts 16-512 tokens, outputs\n"
               "16-128): llmc's continuous batching against onnxruntime-genai and transformers' `generate` in static\n"
