@@ -528,6 +528,11 @@ BENCHMARKS = [
               "The 1B workload above on the Xeon without AMX of the latency sections.",
               "python bench/serving_bench.py --model llama-1b --requests 32 "
               "--save-json bench/results/serving_llama_1b_no_amx.json", render_serving),
+    Benchmark("serving_llama_1b_amd.json", "Serving throughput at 1B parameters on an AMD CPU",
+              "The 1B workload above on the AMD EPYC of the latency sections, two rounds (each system's median\n"
+              "is the mean of two).",
+              "python bench/serving_bench.py --model llama-1b --requests 32 --rounds 2 "
+              "--save-json bench/results/serving_llama_1b_amd.json", render_serving),
     Benchmark("product_command.json", "Accuracy of the product's command on a real model",
               "`llmc compile model.onnx --fp16 --int8-calib DIR` on SmolLM2-135M-Instruct for the CPU and the\n"
               "graph TensorRT would receive: perplexity increase and top-1 agreement against the fp32 export on\n"
