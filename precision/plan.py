@@ -247,7 +247,7 @@ def apply_precision(model: onnx.ModelProto, options: PrecisionOptions, config: M
         if bits == 4 and calibration:  # activation-aware scaling (precision/awq.py)
             activations = observe(model, calibration, sorted({l.node.input[0] for l in layers}), histograms=False,
                                   sample_rows=WEIGHT_SAMPLE_ROWS, progress=progress)
-        # An 8-bit lm_head in blocks of its own length (precision/weight_only.py LM_HEAD_MIN_BLOCK_SIZE).
+        # An 8-bit lm_head in blocks of at least LM_HEAD_MIN_BLOCK_SIZE (precision/weight_only.py).
         lm_head_block = max(block_size, LM_HEAD_MIN_BLOCK_SIZE) if bits == 8 else block_size
         sizes = {id(l.node): lm_head_block if l.name == "lm_head" else block_size for l in layers}
         for size in sorted(set(sizes.values())):
