@@ -683,6 +683,12 @@ def _median(values: list) -> float | None:
     return round(float(np.median(values)), 3) if values else None
 
 
+def builds_dir(args: argparse.Namespace) -> Path:
+    """Where a run builds its engines and the peers' models: rebuilt by every run, and deleted after it
+    unless --keep-builds (at 1B parameters they take ~25 GB)."""
+    return Path(args.work_dir).resolve() / f"latency-{args.model}{'-quick' if args.quick else ''}"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(BENCH_DIR))
     from optimize_bench import ensure_checkpoint
@@ -701,7 +707,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = {"name": "llama-25m", **dataclasses.asdict(spec),
                  "parameters": ensure_checkpoint(checkpoint, spec)}
     model["weights_mib"] = weight_mib(checkpoint)
-    built = build(checkpoint, work / f"latency-{args.model}{'-quick' if args.quick else ''}", PRECISIONS, large)
+    built = build(checkpoint, builds_dir(args), PRECISIONS, large)
     precisions = [p for p in PRECISIONS if built["built"][p]]
     if "fp32" not in precisions:
         raise RuntimeError("the fp32 builds failed: " + "; ".join(f"{k}: {v}" for k, v in built["errors"].items()))
@@ -915,8 +921,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for each system (default 2)")
     parser.add_argument("--work-dir", default=str(BENCH_DIR / ".work"),
                         help="where the checkpoint is cached and models are built (default bench/.work)")
+    parser.add_argument("--keep-builds", action="store_true",
+                        help="keep the run's engines and models in --work-dir (deleted after the run by default)")
     args = parser.parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    finally:
+        if not args.keep_builds:
+            shutil.rmtree(builds_dir(args), ignore_errors=True)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
         record.write_json(args.save_json, result)

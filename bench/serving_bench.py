@@ -69,6 +69,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -403,6 +404,12 @@ def openvino_model(checkpoint: Path) -> tuple[Path, Path]:
     return python, openvino_peer.export(checkpoint, "fp32", python)
 
 
+def builds_dir(args: argparse.Namespace) -> Path:
+    """Where a run builds its engines and the peers' models: rebuilt by every run, and deleted after it
+    unless --keep-builds (at 1B parameters they take ~21 GB)."""
+    return Path(args.work_dir).resolve() / ("serving" if args.model not in REAL_MODELS else f"serving-{args.model}")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     scale = QUICK if args.quick else dataclasses.replace(FULL, requests=args.requests)
     work = Path(args.work_dir).resolve()
@@ -413,7 +420,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "threads": args.threads}
     if args.model in REAL_MODELS:
         checkpoint, model = latency_bench.real_checkpoint(args.model, work)
-        built = latency_bench.build(checkpoint, work / f"serving-{args.model}", ("fp32",),
+        built = latency_bench.build(checkpoint, builds_dir(args), ("fp32",),
                                     large=args.model == "llama-1b")
         recipe |= {"text": str(checkpoint), "special": [], "speculative_tokens": 0}
         workload = text_workload(scale, args.seed, checkpoint)
@@ -421,7 +428,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         checkpoint = work / "hf-llama-32m-4k"
         model = {**dataclasses.asdict(SPEC), "parameters": ensure_checkpoint(checkpoint, SPEC)}
-        built = build(checkpoint, work / "serving")
+        built = build(checkpoint, builds_dir(args))
         from llmc.tokenizer import byte_level_tokenizer
 
         tokenizer = byte_level_tokenizer()
@@ -615,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
                              "llmc one token a step)")
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR),
                         help="where the checkpoint is cached and models are built (default bench/.work)")
+    parser.add_argument("--keep-builds", action="store_true",
+                        help="keep the run's engines and models in --work-dir (deleted after the run by default)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         print(json.dumps(child(json.load(sys.stdin))), flush=True)
@@ -623,7 +632,11 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     ort.set_default_logger_severity(3)  # the build's sessions
-    result = run(args)
+    try:
+        result = run(args)
+    finally:
+        if not args.keep_builds:
+            shutil.rmtree(builds_dir(args), ignore_errors=True)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
         record.write_json(args.save_json, result)
