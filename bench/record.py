@@ -27,14 +27,19 @@ FIELDS = ("command", "utc_start", "utc_end", "machine", "git", "versions")
 MACHINE_FIELDS = ("cpu", "cores", "memory_gib", "loadavg_start", "loadavg_end")
 
 
+#: environment variables that change what llmc runs: set, they lead the recorded command line
+RUN_SETTINGS = ("LLMC_HUGE_PAGES",)
+
+
 def begin(argv: list[str] | None = None) -> dict[str, Any]:
-    """The state at a benchmark's start: its command line (as typed from the repository root),
-    the UTC time and the load average."""
+    """The state at a benchmark's start: its command line (as typed from the repository root,
+    after the RUN_SETTINGS it runs with), the UTC time and the load average."""
     argv = sys.argv if argv is None else argv
     script = Path(argv[0]).resolve()
     with contextlib.suppress(ValueError):
         script = script.relative_to(ROOT)
-    return {"command": " ".join(["python", str(script), *argv[1:]]),
+    settings = [f"{name}={os.environ[name]}" for name in RUN_SETTINGS if name in os.environ]
+    return {"command": " ".join([*settings, "python", str(script), *argv[1:]]),
             "utc_start": _utc_now(), "loadavg_start": _loadavg()}
 
 

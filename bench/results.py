@@ -519,6 +519,11 @@ BENCHMARKS = [
               "The same SmolLM2-135M workload on the AMD EPYC of the latency section above.",
               "python bench/serving_bench.py --model smollm2 --save-json bench/results/serving_smollm2_amd.json",
               render_serving),
+    Benchmark("serving_smollm2_amd_small_pages.json", "Serving on an AMD CPU with llmc on 4 KiB pages: SmolLM2-135M",
+              "The section above again with llmc's processes on malloc's default 4 KiB pages (`LLMC_HUGE_PAGES=0`):\n"
+              "the peers run as they always do, so its ratios show what the heap's huge pages cost this workload.",
+              "LLMC_HUGE_PAGES=0 python bench/serving_bench.py --model smollm2 "
+              "--save-json bench/results/serving_smollm2_amd_small_pages.json", render_serving),
     Benchmark("serving_llama_1b.json", "Serving throughput at 1B parameters",
               "The same on a Llama of TinyLlama-1.1B's shape (random weights, prompts of real text), 32 requests;\n"
               "each system's median of 3 rounds, a ratio the median of the rounds' (single runs move by up to 30%).",

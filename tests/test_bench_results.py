@@ -168,6 +168,15 @@ def test_record_carries_command_machine_load_commit_and_time(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary left behind
 
 
+def test_record_command_names_the_settings_it_ran_with(monkeypatch):
+    """A run with llmc's huge pages off is another measurement: its command says so."""
+    monkeypatch.delenv("LLMC_HUGE_PAGES", raising=False)
+    assert record.begin(["bench/serving_bench.py"])["command"].startswith("python ")
+    monkeypatch.setenv("LLMC_HUGE_PAGES", "0")
+    assert record.begin(["bench/serving_bench.py", "--model", "smollm2"])["command"] == \
+        "LLMC_HUGE_PAGES=0 python bench/serving_bench.py --model smollm2"
+
+
 def test_a_file_no_section_renders_is_refused(tree, capsys):
     folder, _, _ = tree
     (folder / "latency.json").write_text(json.dumps(LATENCY))
