@@ -27,7 +27,8 @@ FIELDS = ("command", "utc_start", "utc_end", "machine", "git", "versions")
 MACHINE_FIELDS = ("cpu", "cores", "memory_gib", "loadavg_start", "loadavg_end")
 
 
-#: environment variables that change what llmc runs: set, they lead the recorded command line
+#: environment variables that change what llmc runs (runtime/huge_pages.py OPT_OUT), named here
+#: so that recording a run imports nothing of llmc: set, they lead the recorded command line
 RUN_SETTINGS = ("LLMC_HUGE_PAGES",)
 
 
