@@ -689,6 +689,21 @@ def builds_dir(args: argparse.Namespace) -> Path:
     return Path(args.work_dir).resolve() / f"latency-{args.model}{'-quick' if args.quick else ''}"
 
 
+def add_keep_builds(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keep-builds", action="store_true",
+                        help="keep the run's engines and models in --work-dir (deleted after the run by default)")
+
+
+@contextlib.contextmanager
+def builds_deleted_after(folder: Path, keep: bool):
+    """Deletes `folder`, a run's builds, when the block ends, failed or not, unless `keep`."""
+    try:
+        yield
+    finally:
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(BENCH_DIR))
     from optimize_bench import ensure_checkpoint
@@ -921,14 +936,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for each system (default 2)")
     parser.add_argument("--work-dir", default=str(BENCH_DIR / ".work"),
                         help="where the checkpoint is cached and models are built (default bench/.work)")
-    parser.add_argument("--keep-builds", action="store_true",
-                        help="keep the run's engines and models in --work-dir (deleted after the run by default)")
+    add_keep_builds(parser)
     args = parser.parse_args(argv)
-    try:
+    with builds_deleted_after(builds_dir(args), args.keep_builds):
         result = run(args)
-    finally:
-        if not args.keep_builds:
-            shutil.rmtree(builds_dir(args), ignore_errors=True)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
         record.write_json(args.save_json, result)

@@ -69,7 +69,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -622,8 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                              "llmc one token a step)")
     parser.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR),
                         help="where the checkpoint is cached and models are built (default bench/.work)")
-    parser.add_argument("--keep-builds", action="store_true",
-                        help="keep the run's engines and models in --work-dir (deleted after the run by default)")
+    latency_bench.add_keep_builds(parser)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         print(json.dumps(child(json.load(sys.stdin))), flush=True)
@@ -632,11 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime as ort
 
     ort.set_default_logger_severity(3)  # the build's sessions
-    try:
+    with latency_bench.builds_deleted_after(builds_dir(args), args.keep_builds):
         result = run(args)
-    finally:
-        if not args.keep_builds:
-            shutil.rmtree(builds_dir(args), ignore_errors=True)
     text = json.dumps(result, indent=2, default=str)
     if args.save_json:
         record.write_json(args.save_json, result)

@@ -337,6 +337,24 @@ def test_latency_rows_get_the_machine_limit_of_their_work(trained_engine):
     assert latency_bench.share_of_limit(None, {"value": 100.0}, higher=False) is None
 
 
+def test_a_runs_builds_are_deleted_after_it_failed_or_not_unless_kept(tmp_path):
+    """The benchmarks' build folders take ~25 GB at 1B parameters: a run leaves none behind."""
+    latency_bench = _load("latency_bench")
+    folder = tmp_path / "latency-smollm2"
+    (folder / "engine").mkdir(parents=True)
+    with pytest.raises(RuntimeError):
+        with latency_bench.builds_deleted_after(folder, keep=False):
+            raise RuntimeError("a build failed")
+    assert not folder.exists()
+    (folder / "engine").mkdir(parents=True)
+    with latency_bench.builds_deleted_after(folder, keep=True):
+        pass
+    assert (folder / "engine").is_dir()
+    parser = latency_bench.argparse.ArgumentParser()
+    latency_bench.add_keep_builds(parser)
+    assert parser.parse_args(["--keep-builds"]).keep_builds and not parser.parse_args([]).keep_builds
+
+
 def test_a_latency_ratio_pairs_each_run_with_its_peers_same_run():
     """Drift moves both systems of a run alike: the paired median holds where the medians' ratio does not."""
     latency_bench = _load("latency_bench")
