@@ -87,8 +87,8 @@ def allocate_pool(shape: tuple[int, ...], dtype: str) -> np.ndarray:
     machine, 960 fresh blocks of SmolLM2-135M's pools took 14 s to touch, against 10-20 ms in
     small pages (and zero-filling its 5.76 GB default pool at load took 110 s). Nor do huge pages
     speed attention's reads enough to pay for those faults: SmolLM2-135M serving 64 requests on
-    2 cores of an AMD EPYC (OpenVINO backend, f32) ran 0.92-0.96x as fast with the pool on them,
-    with 3 s more kernel time in a 35 s run."""
+    2 cores of an AMD EPYC (OpenVINO backend, f32) ran 0.86-0.96x as fast with the pool on them
+    (4 pairs), with 1.3-3.7 s more kernel time in a 35 s run."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
     if size == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
         return np.zeros(shape, dtype)
