@@ -71,8 +71,8 @@ class WholeGraph:
         into steps of one to five, a token and its guesses (the lowering's padding row, and linear
         layers that compute each row alone, as MatMulNBits does on x86-64 for 4-bit blocks of up
         to 32 and, on an AMD EPYC, 8-bit ones of 64, not 128): checked on row 0 with a made-up
-        sequence, since it depends on onnxruntime's kernels for this CPU. Eight session runs: 4-6 ms for the 25M Llama int4, 44 ms for
-        SmolLM2-135M int4, 0.2 s for a 1B int4 model."""
+        sequence, since it depends on onnxruntime's kernels for this CPU. Eight session runs: 4-6 ms
+        for the 25M Llama int4, 44 ms for SmolLM2-135M int4, 0.2 s for a 1B int4 model."""
         self.rows.release_all()
         self._bind(1)
         tokens, length = np.arange(1, 6, dtype=np.int64), 5
