@@ -45,7 +45,7 @@ class LLM:
     Args:
         engine_path: a file written by `llmc compile`.
         threads: CPU threads for the backend; None uses every core.
-        config: scheduling limits of a paged engine; default from its max batch.
+        config: scheduling limits of a paged engine; what it leaves None is the engine's (`Engine`).
         kv_pool_mb: a paged engine's KV pool in MiB; None: the compiled size or the default rule
             (see `Engine`).
         speculative_tokens: a paged engine's prompt-lookup guesses per step (see `Engine`).

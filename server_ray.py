@@ -29,11 +29,11 @@ class Replica:
                  threads: int | None, kv_pool_mb: float | None, speculative_tokens: int | None = None,
                  decode_model: bool = True):
         from llmc.runtime.engine import Engine
-        from llmc.runtime.scheduler import SchedulerConfig
+        from llmc.runtime.scheduler import SERVER_DEFAULTS, SchedulerConfig
         from llmc.server import create_app
 
-        config = SchedulerConfig(**scheduler)
-        engine = Engine(engine_path, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs > 1,
+        config = SchedulerConfig(**{**SERVER_DEFAULTS, **scheduler})
+        engine = Engine(engine_path, config, threads=threads, kv_pool_mb=kv_pool_mb, concurrent=config.max_num_seqs != 1,
                         speculative_tokens=speculative_tokens, decode_model=decode_model)
         self._app = create_app(engine, options)
 

@@ -205,7 +205,7 @@ def run_llmc(engine_path: Path, workload: list[BenchRequest], threads: int, seat
     from llmc.runtime.engine import Engine, SchedulerConfig
 
     share_threads(threads)  # as `llmc bench` does: the benchmark's process is llmc's own
-    config = SchedulerConfig(max_num_seqs=seats) if seats else None  # None: the engine's max batch
+    config = SchedulerConfig(max_num_seqs=seats)  # None: the engine's max batch
     options = {"threads": threads, "concurrent": True, "speculative_tokens": speculative_tokens}
     engine = Engine(engine_path, config, **options)
     warm_up(engine)

@@ -46,7 +46,7 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
 
     from llmc.formats.engine_file import read_manifest
     from llmc.runtime.engine import Engine
-    from llmc.runtime.scheduler import SchedulerConfig
+    from llmc.runtime.scheduler import SERVER_DEFAULTS, SchedulerConfig
     from llmc.server import ServerOptions, create_app, serve as run_server
 
     missing = [m for m in ("starlette", "uvicorn", "prometheus_client", "jinja2") if importlib.util.find_spec(m) is None]
@@ -60,9 +60,8 @@ def serve(engine, host, port, model_name, max_waiting, max_num_seqs, max_num_bat
     paged = read_manifest(existing(engine))["paged"]
     if not paged:
         raise LlmcError(f"{engine}: llmc serve needs a paged engine (compiled without --no-paged)")
-    scheduler = {"max_num_seqs": max_num_seqs or paged["max_batch"], "max_wait_ms": max_wait_ms, "policy": policy,
-                 "lone_prompt_uses_budget": False,  # a request may arrive during any step
-                 **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {})}
+    scheduler = {**SERVER_DEFAULTS, "max_num_seqs": max_num_seqs or paged["max_batch"], "max_wait_ms": max_wait_ms,
+                 "policy": policy, **({"max_num_batched_tokens": max_num_batched_tokens} if max_num_batched_tokens else {})}
     config = SchedulerConfig(**scheduler)  # a bad value fails here, before any replica starts
     if public_metrics and not api_key:
         raise LlmcError("--public-metrics: only with --api-key (without a key every route is public)")

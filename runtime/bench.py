@@ -358,7 +358,7 @@ def load_engine(engine_path: str | Path, *, max_num_seqs: int | None = None,
 
     Args:
         engine_path: a file written by `llmc compile`.
-        max_num_seqs, max_num_batched_tokens: scheduler limits; None keeps SchedulerConfig's defaults.
+        max_num_seqs, max_num_batched_tokens: scheduler limits; None: the engine's.
         threads: CPU threads for the backend; None uses every core.
         concurrent: requests will overlap (not the `--batch 1` view): the engine builds its
             batched path at load, so no measured step waits for it (`Engine`).
@@ -367,9 +367,7 @@ def load_engine(engine_path: str | Path, *, max_num_seqs: int | None = None,
     """
     from llmc.runtime.engine import Engine, SchedulerConfig
 
-    limits = {k: v for k, v in (("max_num_seqs", max_num_seqs),
-                                ("max_num_batched_tokens", max_num_batched_tokens)) if v is not None}
-    config = SchedulerConfig(**limits) if limits else None  # None: the engine's own defaults
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return Engine(engine_path, config=config, threads=threads, concurrent=concurrent,
                   speculative_tokens=speculative_tokens, timeline=timeline)
 

@@ -145,8 +145,9 @@ class Engine:
     Args:
         engine: the engine file (a path, or one already read: its checksums are then the
             reader's to verify, or `section_check`'s).
-        config: scheduling limits; defaults: the engine's max batch, and the backend's step size
-            (`StepPaths.step_tokens`: 512 tokens, 2,048 on OpenVINO).
+        config: scheduling limits; what it leaves None (or all, where None) is the engine's: its
+            max batch, and the backend's step size (`StepPaths.step_tokens`: 512 tokens, 2,048 on
+            OpenVINO).
         threads: CPU threads for the backend; None uses every core.
         kv_pool_mb: KV pool size in MiB; None: the compiled size or the default rule
             (runtime/kv_cache.py, `pool_blocks`).
@@ -187,9 +188,8 @@ class Engine:
             with self.section_check.graphs_checked():  # in a thread while the sessions are built
                 self._load(engine, options, kv_pool_mb)
         paged = engine.manifest.paged
-        self.config = config or SchedulerConfig(max_num_seqs=paged.max_batch,
-                                                max_num_batched_tokens=self.backend.paths.step_tokens,
-                                                lone_prompt_uses_budget=not concurrent)
+        self.config = (config or SchedulerConfig()).filled(paged.max_batch, self.backend.paths.step_tokens,
+                                                           lone_prompt_uses_budget=not concurrent)
         self.scheduler = Scheduler(self.config, self.kv.blocks)
         self.max_seq_len = paged.max_seq_len
         self.backend.warm_up()  # the first calls of each path, not a step of largest size

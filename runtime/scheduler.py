@@ -18,6 +18,7 @@ the block manager.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -34,11 +35,23 @@ LONG_CONTEXT = 512
 # The smallest chunk worth running of a prompt in prefill (it is the CPU attention's threshold
 # for its dense path too: below it, the in-place kernel serves the chunk, slowly at long context).
 QUERY_FLOOR = 16
+# The SchedulerConfig fields that None leaves to the engine (`SchedulerConfig.filled`).
+ENGINE_SET = ("max_num_seqs", "max_num_batched_tokens", "lone_prompt_uses_budget")
+# What a server (`llmc serve`, a Ray replica) schedules by where its options leave it: steps of at
+# most 512 tokens on every backend (an engine's own budget is 2,048 on OpenVINO), since every
+# running request waits out each step for its next token; and a lone prompt cut like any other,
+# since a request may arrive during any step.
+SERVER_DEFAULTS = {"max_num_batched_tokens": 512, "lone_prompt_uses_budget": False}
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How much one step may hold, and in what order waiting requests are admitted.
+
+    The fields left None are the engine's to set (`filled`; `Engine` does): its max batch, its
+    backend's step size (`StepPaths.step_tokens`: 512 tokens, 2,048 on OpenVINO), and whether a
+    lone prompt takes the whole budget (not where requests are expected to overlap). So a config
+    that sets one limit keeps the engine's others.
 
     Args:
         max_num_seqs: sequences in one step.
@@ -57,8 +70,8 @@ class SchedulerConfig:
             any moment and would wait behind that longer step.
     """
 
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     policy: str = "fifo"
     max_wait_ms: float = 0.0
     # Measured (bench/serving_bench.py's interference workload): with a 3,000-token prompt in
@@ -66,12 +79,12 @@ class SchedulerConfig:
     max_prefill_tokens: int | None = 128
     # Measured (SmolLM2-135M, 2,048-token prompt, 2 threads): chunks of the 512-token budget
     # give the first token 10-20% sooner than chunks of 128, on onnxruntime and OpenVINO alike.
-    lone_prompt_uses_budget: bool = True
+    lone_prompt_uses_budget: bool | None = None
 
     def __post_init__(self):
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise LlmcError(f"max_num_seqs must be ≥ 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise LlmcError(f"max_num_batched_tokens must be ≥ 1, got {self.max_num_batched_tokens}")
         if self.policy not in POLICIES:
             raise LlmcError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
@@ -79,6 +92,11 @@ class SchedulerConfig:
             raise LlmcError(f"max_wait_ms must be ≥ 0, got {self.max_wait_ms}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise LlmcError(f"max_prefill_tokens must be ≥ 1, got {self.max_prefill_tokens}")
+
+    def filled(self, max_num_seqs: int, max_num_batched_tokens: int, lone_prompt_uses_budget: bool) -> SchedulerConfig:
+        """This config with the given values in the fields it leaves None (those it sets stand)."""
+        given = dict(zip(ENGINE_SET, (max_num_seqs, max_num_batched_tokens, lone_prompt_uses_budget)))
+        return dataclasses.replace(self, **{name: value for name, value in given.items() if getattr(self, name) is None})
 
 
 class Status(Enum):
@@ -142,11 +160,14 @@ class Scheduler:
     """Waiting and running queues, the token budget and preemption.
 
     Args:
-        config: budget, caps, policy.
+        config: budget, caps, policy, each set (`SchedulerConfig.filled`).
         blocks: the block manager owning the KV pool's blocks.
     """
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        unset = [name for name in ENGINE_SET if getattr(config, name) is None]
+        if unset:
+            raise ValueError(f"SchedulerConfig: {', '.join(unset)} unset (SchedulerConfig.filled sets them)")
         self.config, self.blocks = config, blocks
         self.waiting: list[Request] = []
         self.running: list[Request] = []

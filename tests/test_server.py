@@ -525,3 +525,25 @@ def test_serve_hands_the_decode_model_switch_to_the_engine(chat_engine, monkeypa
         result = CliRunner().invoke(main, ["serve", str(chat_engine), *args])
         assert result.exit_code == 2 and "loaded no further" in result.stderr, result.stderr
     assert seen == [True, False, True]
+
+
+def test_serve_schedules_as_a_server_whatever_the_engines_own_budget(chat_engine, monkeypatch):
+    # An engine's own budget is 2,048 tokens on OpenVINO; a server keeps its steps to 512 unless told.
+    from click.testing import CliRunner
+
+    from llmc.cli import main
+    from llmc.errors import LlmcError
+    from llmc.formats.engine_file import read_manifest
+
+    seen = []
+
+    def engine(path, config, **kwargs):
+        seen.append(config)
+        raise LlmcError("loaded no further")
+    monkeypatch.setattr("llmc.runtime.engine.Engine", engine)
+    for args in ([], ["--max-num-batched-tokens", "64", "--max-num-seqs", "3"]):
+        result = CliRunner().invoke(main, ["serve", str(chat_engine), *args])
+        assert result.exit_code == 2 and "loaded no further" in result.stderr, result.stderr
+    seats = read_manifest(chat_engine)["paged"]["max_batch"]
+    assert [(c.max_num_seqs, c.max_num_batched_tokens, c.lone_prompt_uses_budget) for c in seen] == [
+        (seats, 512, False), (3, 64, False)]

@@ -169,6 +169,10 @@ def test_the_default_step_budget_is_the_backends(engines):
     assert Engine(engines["f32"], threads=1).config.max_num_batched_tokens == 2048
     given = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
     assert Engine(engines["f32"], given, threads=1).config.max_num_batched_tokens == 64
+    # A config that sets one limit keeps the engine's others.
+    assert Engine(engines["f32"], SchedulerConfig(max_num_seqs=4), threads=1).config.max_num_batched_tokens == 2048
+    seats = read_engine(engines["f32"]).manifest.paged.max_batch
+    assert Engine(engines["f32"], SchedulerConfig(max_num_batched_tokens=64), threads=1).config.max_num_seqs == seats
 
 
 RESIDENT = """

@@ -13,6 +13,11 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Request, Scheduler, SchedulerConfig, Status
 
 
+def limits(**given) -> SchedulerConfig:
+    """A config as an engine of 16 seats and a 512-token budget fills what `given` leaves unset."""
+    return SchedulerConfig(**given).filled(16, 512, lone_prompt_uses_budget=True)
+
+
 def simulate(requests, config, num_blocks, block_size, max_steps=10_000):
     """Drive the scheduler like the engine does, with a fake model emitting token 7."""
     blocks = BlockManager(num_blocks, block_size)
@@ -78,7 +83,7 @@ def test_every_request_finishes_within_budget_and_frees_its_blocks(lens, budget,
     num_blocks = -(-longest // block_size) + spare  # room for the largest request, little more
     requests = [Request(f"r{i}", list(range(1, p + 1)), SamplingParams(max_new_tokens=n, ignore_eos=True),
                         arrival=float(i)) for i, (p, n) in enumerate(lens)]
-    config = SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=budget)
+    config = limits(max_num_seqs=seats, max_num_batched_tokens=budget)
     scheduler, _ = simulate(requests, config, num_blocks, block_size)
     assert all(r.status is Status.FINISHED and len(r.output_ids) == r.params.max_new_tokens for r in requests)
 
@@ -87,7 +92,7 @@ def test_fifo_admits_in_arrival_order_and_priority_by_rank():
     def make(policy):
         requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=2), priority=p, arrival=float(i))
                     for i, p in enumerate([2, 0, 1])]
-        _, order = simulate(requests, SchedulerConfig(max_num_seqs=1, policy=policy), 16, 4)
+        _, order = simulate(requests, limits(max_num_seqs=1, policy=policy), 16, 4)
         return order
 
     assert make("fifo") == ["r0", "r1", "r2"]
@@ -98,7 +103,7 @@ def test_decodes_run_before_a_long_prefill_is_done():
     long_prompt = Request("long", list(range(1, 301)), SamplingParams(max_new_tokens=1))
     short = Request("short", [1, 2], SamplingParams(max_new_tokens=5), arrival=-1.0)
     blocks = BlockManager(64, 16)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), blocks)
+    scheduler = Scheduler(limits(max_num_batched_tokens=64), blocks)
     scheduler.add(short)
     scheduler.add(long_prompt)
     first = scheduler.schedule(now=0.0)
@@ -116,7 +121,7 @@ def test_preemption_returns_the_newest_request_to_the_queue_whole():
     # Each needs 3 blocks of 4 at its longest (4 prompt + 8 output); the pool has 4.
     a = Request("a", [1, 2, 3, 4], SamplingParams(max_new_tokens=8), arrival=0.0)
     b = Request("b", [5, 6, 7, 8], SamplingParams(max_new_tokens=8), arrival=1.0)
-    scheduler, order = simulate([a, b], SchedulerConfig(max_num_seqs=2), num_blocks=4, block_size=4)
+    scheduler, order = simulate([a, b], limits(max_num_seqs=2), num_blocks=4, block_size=4)
     assert scheduler.preemptions > 0
     assert order == ["a", "b"] and len(a.output_ids) == len(b.output_ids) == 8
 
@@ -126,7 +131,7 @@ def test_a_request_preempted_later_in_a_step_leaves_it():
     # Pool: 3 blocks of 4. At the third step lo's token fits its block, but hi's ninth token needs
     # a new block: hi preempts lo, whose decode was already packed in that step.
     blocks = BlockManager(3, 4)
-    scheduler = Scheduler(SchedulerConfig(policy="priority"), blocks)
+    scheduler = Scheduler(limits(policy="priority"), blocks)
     lo = Request("lo", [1, 2], SamplingParams(max_new_tokens=4), priority=5, arrival=0.0)
     hi = Request("hi", list(range(11, 19)), SamplingParams(max_new_tokens=4), priority=0, arrival=1.0)
     scheduler.add(lo)
@@ -151,7 +156,7 @@ def test_a_request_preempted_later_in_a_step_leaves_it():
 
 def test_max_wait_holds_admission_until_the_oldest_has_waited():
     blocks = BlockManager(16, 4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_wait_ms=50), blocks)
+    scheduler = Scheduler(limits(max_num_seqs=4, max_wait_ms=50), blocks)
     scheduler.add(Request("r", [1, 2], SamplingParams(), arrival=10.0))
     assert scheduler.schedule(now=10.01) == []
     assert [c.request.request_id for c in scheduler.schedule(now=10.06)] == ["r"]
@@ -159,7 +164,7 @@ def test_max_wait_holds_admission_until_the_oldest_has_waited():
 
 def test_abort_frees_blocks():
     blocks = BlockManager(8, 4)
-    scheduler = Scheduler(SchedulerConfig(), blocks)
+    scheduler = Scheduler(limits(), blocks)
     scheduler.add(Request("r", list(range(1, 10)), SamplingParams()))
     scheduler.schedule(now=0.0)
     assert blocks.num_free_blocks < 8
@@ -177,6 +182,15 @@ def test_bad_config(field, value, message):
         SchedulerConfig(**{field: value})
 
 
+def test_a_config_leaves_the_engines_limits_to_the_engine():
+    given = SchedulerConfig(max_num_seqs=4)
+    filled = given.filled(64, 2048, lone_prompt_uses_budget=False)
+    assert (filled.max_num_seqs, filled.max_num_batched_tokens, filled.lone_prompt_uses_budget) == (4, 2048, False)
+    assert SchedulerConfig(lone_prompt_uses_budget=True).filled(64, 512, False).lone_prompt_uses_budget is True
+    with pytest.raises(ValueError, match="max_num_batched_tokens, lone_prompt_uses_budget unset"):
+        Scheduler(given, BlockManager(4, 4))
+
+
 def test_requests_keep_their_random_streams():
     a = Request("a", [1], SamplingParams(seed=3))
     b = Request("b", [1], SamplingParams(seed=3))
@@ -185,7 +199,7 @@ def test_requests_keep_their_random_streams():
 
 def test_new_requests_are_admitted_before_a_running_prefill_continues():
     blocks = BlockManager(64, 16)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), blocks)
+    scheduler = Scheduler(limits(max_num_batched_tokens=64), blocks)
     long_prompt = Request("long", list(range(1, 301)), SamplingParams(max_new_tokens=1), arrival=0.0)
     scheduler.add(long_prompt)
     first = scheduler.schedule(now=0.0)
@@ -205,7 +219,7 @@ def test_new_requests_are_admitted_before_a_running_prefill_continues():
 
 def test_a_burst_of_newcomers_takes_the_budget_and_a_lone_one_the_cap():
     blocks = BlockManager(128, 16)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_prefill_tokens=100), blocks)
+    scheduler = Scheduler(limits(max_num_batched_tokens=512, max_prefill_tokens=100), blocks)
     scheduler.add(Request("a", list(range(1, 301)), SamplingParams(), arrival=0.0))
     scheduler.add(Request("b", list(range(1, 51)), SamplingParams(), arrival=1.0))
     first = scheduler.schedule(now=1.0)  # a queue: both start at once, not 100 tokens a step
@@ -232,7 +246,7 @@ def _advance(scheduler, blocks, chunks):
 
 def test_a_lone_prompt_runs_in_budget_sized_chunks_until_another_request_comes():
     blocks = BlockManager(256, 16)
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_prefill_tokens=128), blocks)
+    scheduler = Scheduler(limits(max_num_batched_tokens=512, max_prefill_tokens=128), blocks)
     scheduler.add(Request("long", list(range(1, 2001)), SamplingParams(max_new_tokens=1), arrival=0.0))
     for _ in range(2):
         chunks = scheduler.schedule(now=0.0)
@@ -248,7 +262,7 @@ def test_a_lone_prompt_runs_in_budget_sized_chunks_until_another_request_comes()
 
 def test_deep_in_a_long_prompt_its_chunk_shrinks_while_others_run_and_slivers_wait():
     blocks = BlockManager(256, 16)
-    config = SchedulerConfig(max_num_batched_tokens=512, max_prefill_tokens=128, lone_prompt_uses_budget=False)
+    config = limits(max_num_batched_tokens=512, max_prefill_tokens=128, lone_prompt_uses_budget=False)
     scheduler = Scheduler(config, blocks)
     long_prompt = Request("long", list(range(1, 2001)), SamplingParams(max_new_tokens=1), arrival=0.0)
     scheduler.add(long_prompt)
@@ -277,7 +291,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 prefill=st.sampled_from([None, 4, 16]), num_blocks=st.integers(2, 8),
                 block_size=st.sampled_from([1, 2, 4]), arrivals=st.integers(1, 6))
     def setup(self, data, policy, max_wait_ms, seats, budget, prefill, num_blocks, block_size, arrivals):
-        config = SchedulerConfig(max_num_seqs=seats, max_num_batched_tokens=budget, policy=policy,
+        config = limits(max_num_seqs=seats, max_num_batched_tokens=budget, policy=policy,
                                  max_wait_ms=max_wait_ms, max_prefill_tokens=prefill)
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(config, self.blocks)

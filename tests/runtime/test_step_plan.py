@@ -61,7 +61,7 @@ def test_only_a_lone_token_of_a_guessing_request_on_the_whole_graph_is_padded():
 
 def test_the_planner_adds_a_lone_requests_guesses_and_holds_their_slots():
     blocks = BlockManager(8, 4)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4), blocks)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4).filled(4, 512, lone_prompt_uses_budget=True), blocks)
     r = request("r", [1, 2, 3, 1, 2, 3, 1, 2])  # its last tokens repeat: a guess "3, 1, 2"
     scheduler.add(r)
     planner = StepPlanner(WHOLE, 4, True, scheduler, lambda req: 50)
