@@ -67,14 +67,22 @@ class Worker:
     def __init__(self, command: list[str], job: dict[str, Any], env: dict[str, str] | None = None):
         self.name = job.get("system", command[-1])
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.process.stdin.write(json.dumps(job) + "\n")
-        self.process.stdin.flush()
+        self._send(job)
         self.ready = self._read()
 
     def step(self, name: str, take: int = 0) -> dict[str, Any]:
-        self.process.stdin.write(json.dumps({"step": name, "take": take}) + "\n")
-        self.process.stdin.flush()
+        self._send({"step": name, "take": take})
         return self._read()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        try:
+            self.process.stdin.write(json.dumps(message) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:  # it has exited (or could not start): `_read` says with what code
+            try:
+                self.process.stdin.close()
+            except BrokenPipeError:  # the line still buffered: closed all the same
+                pass
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -77,3 +77,11 @@ def test_a_worker_that_cannot_start_is_reported(tmp_path):
     (figures,) = stepped.run_pair([_start(missing, system="gone")], 2)
     assert isinstance(figures, RuntimeError) and "gone worker exited with 2" in str(figures)
 
+
+
+def test_a_worker_gone_before_it_reads_its_job_is_reported():
+    # A job larger than a pipe holds: writing it fails once the process has exited unread.
+    def start():
+        return stepped.Worker([sys.executable, "-c", "raise SystemExit(3)"], {"system": "gone", "pad": "x" * (1 << 20)})
+    (figures,) = stepped.run_pair([start], 2)
+    assert isinstance(figures, RuntimeError) and "gone worker exited with 3" in str(figures)
