@@ -145,9 +145,9 @@ class Engine:
     Args:
         engine: the engine file (a path, or one already read: its checksums are then the
             reader's to verify, or `section_check`'s).
-        config: scheduling limits; what it leaves None (or all, where None) is the engine's: its
-            max batch, and the backend's step size (`StepPaths.step_tokens`: 512 tokens, 2,048 on
-            OpenVINO).
+        config: scheduling limits; each it leaves None (all, where it is None) is the engine's:
+            its max batch, the backend's step size (`StepPaths.step_tokens`: 512 tokens, 2,048 on
+            OpenVINO), and `concurrent`'s choice for a lone prompt.
         threads: CPU threads for the backend; None uses every core.
         kv_pool_mb: KV pool size in MiB; None: the compiled size or the default rule
             (runtime/kv_cache.py, `pool_blocks`).

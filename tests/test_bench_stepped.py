@@ -78,7 +78,6 @@ def test_a_worker_that_cannot_start_is_reported(tmp_path):
     assert isinstance(figures, RuntimeError) and "gone worker exited with 2" in str(figures)
 
 
-
 def test_a_worker_gone_before_it_reads_its_job_is_reported():
     # A job larger than a pipe holds: writing it fails once the process has exited unread.
     def start():

@@ -509,41 +509,36 @@ def test_streamed_logprobs_equal_the_whole_answers(server):
     assert sum(len(c["logprobs"]["tokens"]) for c in answer["choices"]) == answer["usage"]["completion_tokens"]
 
 
-def test_serve_hands_the_decode_model_switch_to_the_engine(chat_engine, monkeypatch):
+def engines_serve_loads(chat_engine, monkeypatch, *option_sets):
+    """(config, keyword arguments) of the Engine `llmc serve chat_engine` loads with each option set,
+    the load stopped there."""
     from click.testing import CliRunner
 
     from llmc.cli import main
     from llmc.errors import LlmcError
-
-    seen = []
-
-    def engine(*args, **kwargs):
-        seen.append(kwargs["decode_model"])
-        raise LlmcError("loaded no further")
-    monkeypatch.setattr("llmc.runtime.engine.Engine", engine)
-    for args in ([], ["--no-decode-model"], ["--decode-model"]):
-        result = CliRunner().invoke(main, ["serve", str(chat_engine), *args])
-        assert result.exit_code == 2 and "loaded no further" in result.stderr, result.stderr
-    assert seen == [True, False, True]
-
-
-def test_serve_schedules_as_a_server_whatever_the_engines_own_budget(chat_engine, monkeypatch):
-    # An engine's own budget is 2,048 tokens on OpenVINO; a server keeps its steps to 512 unless told.
-    from click.testing import CliRunner
-
-    from llmc.cli import main
-    from llmc.errors import LlmcError
-    from llmc.formats.engine_file import read_manifest
 
     seen = []
 
     def engine(path, config, **kwargs):
-        seen.append(config)
+        seen.append((config, kwargs))
         raise LlmcError("loaded no further")
     monkeypatch.setattr("llmc.runtime.engine.Engine", engine)
-    for args in ([], ["--max-num-batched-tokens", "64", "--max-num-seqs", "3"]):
-        result = CliRunner().invoke(main, ["serve", str(chat_engine), *args])
+    for options in option_sets:
+        result = CliRunner().invoke(main, ["serve", str(chat_engine), *options])
         assert result.exit_code == 2 and "loaded no further" in result.stderr, result.stderr
+    return seen
+
+
+def test_serve_hands_the_decode_model_switch_to_the_engine(chat_engine, monkeypatch):
+    loads = engines_serve_loads(chat_engine, monkeypatch, [], ["--no-decode-model"], ["--decode-model"])
+    assert [kwargs["decode_model"] for _, kwargs in loads] == [True, False, True]
+
+
+def test_serve_schedules_as_a_server_whatever_the_engines_own_budget(chat_engine, monkeypatch):
+    # An engine's own budget is 2,048 tokens on OpenVINO; a server keeps its steps to 512 unless told.
+    from llmc.formats.engine_file import read_manifest
+
+    loads = engines_serve_loads(chat_engine, monkeypatch, [], ["--max-num-batched-tokens", "64", "--max-num-seqs", "3"])
     seats = read_manifest(chat_engine)["paged"]["max_batch"]
-    assert [(c.max_num_seqs, c.max_num_batched_tokens, c.lone_prompt_uses_budget) for c in seen] == [
+    assert [(c.max_num_seqs, c.max_num_batched_tokens, c.lone_prompt_uses_budget) for c, _ in loads] == [
         (seats, 512, False), (3, 64, False)]

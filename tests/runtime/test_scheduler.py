@@ -292,7 +292,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 block_size=st.sampled_from([1, 2, 4]), arrivals=st.integers(1, 6))
     def setup(self, data, policy, max_wait_ms, seats, budget, prefill, num_blocks, block_size, arrivals):
         config = limits(max_num_seqs=seats, max_num_batched_tokens=budget, policy=policy,
-                                 max_wait_ms=max_wait_ms, max_prefill_tokens=prefill)
+                        max_wait_ms=max_wait_ms, max_prefill_tokens=prefill)
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(config, self.blocks)
         self.now, self.requests, self.outputs = 0.0, [], {}
