@@ -129,12 +129,17 @@ def save_with_external_data(model: bytes, tensors: Sequence[tuple[onnx.TensorPro
     as its metadata_props, atomically; each tensor is written from where its bytes are."""
     import onnx_ir as ir  # not at the top: formats/onnx_weights.py says why
 
-    graph = ir.serde.deserialize_model(onnx.load_from_string(model))
-    inputs = {value.name: value for value in graph.graph.inputs}
-    for header, data in tensors:
+    proto = onnx.load_from_string(model)
+    interface = len(proto.graph.input)
+    # Declared as inputs for the deserializer, each weight is one value its readers share; a name
+    # it finds in no scope it logs as an invalid model (a line a weight) and gives each reader its own.
+    proto.graph.input.extend(onnx.helper.make_tensor_value_info(header.name, header.data_type, list(header.dims))
+                             for header, _ in tensors)
+    graph = ir.serde.deserialize_model(proto)
+    weights = list(graph.graph.inputs)[interface:]
+    del graph.graph.inputs[interface:]
+    for value, (header, data) in zip(weights, tensors):
         dtype = ir.DataType(header.data_type)
-        value = inputs.get(header.name) or ir.Value(name=header.name, type=ir.TensorType(dtype),
-                                                    shape=ir.Shape(header.dims))
         array = np.frombuffer(data, dtype.numpy()).reshape(header.dims)
         value.const_value = ir.Tensor(array, dtype=dtype, name=header.name)
         graph.graph.register_initializer(value)

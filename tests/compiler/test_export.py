@@ -1,5 +1,6 @@
 """Export parity: the ONNX graph equals PyTorch at several (batch, seq, past) shapes."""
 
+import logging
 from collections import Counter
 
 import numpy as np
@@ -50,17 +51,27 @@ def test_the_parity_check_feeds_each_weight_as_it_is_written(dtype):
         assert torch.equal(torch.from_numpy(value.numpy().copy()), tensor)
 
 
-def test_weights_past_one_protobuf_go_to_a_data_file(monkeypatch, tmp_path):
+def test_weights_past_one_protobuf_go_to_a_data_file(monkeypatch, tmp_path, caplog):
     """Past the threshold the TorchScript export writes its weights to `<name>.data` (the graph
-    stays small) and the parity check runs on the tensors being written; a stale temporary never
-    stays."""
+    stays small, its inputs the decoder's interface, the same graph as below the threshold) and
+    the parity check runs on the tensors being written; nothing is logged as invalid on the way
+    (the graph's nodes read weights it does not declare until they are written); a stale
+    temporary never stays."""
     monkeypatch.setattr("llmc.compiler.export.EXTERNAL_DATA_THRESHOLD", 1000)
-    check = export(load_model("tiny-llama"), tmp_path / "model.onnx", exporter="torchscript")
+    with caplog.at_level(logging.WARNING):
+        check = export(load_model("tiny-llama"), tmp_path / "model.onnx", exporter="torchscript")
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("onnx_ir")]
     assert check.max_abs < TOLERANCE
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
     assert (tmp_path / "model.onnx").stat().st_size < (tmp_path / "model.onnx.data").stat().st_size / 10
     graph = onnx.load(tmp_path / "model.onnx", load_external_data=False)
     assert recognize_decoder(graph, tmp_path / "model.onnx").geometry.num_layers == 4
+    monkeypatch.undo()
+    export(load_model("tiny-llama"), tmp_path / "inline.onnx", exporter="torchscript", check=False)
+    inline = onnx.load(tmp_path / "inline.onnx")
+    assert [i.name for i in graph.graph.input] == [i.name for i in inline.graph.input]
+    assert sorted(t.name for t in graph.graph.initializer) == sorted(t.name for t in inline.graph.initializer)
+    assert len(graph.graph.node) == len(inline.graph.node)
     with pytest.raises(LlmcError, match="--exporter: 'jit' is not one of auto, torchscript, dynamo"):
         export(load_model("tiny-llama"), tmp_path / "other.onnx", exporter="jit")
 
