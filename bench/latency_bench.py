@@ -27,8 +27,8 @@ compared go in pairs (PAIRS: llmc and genai, each of llmc's OpenVINO engines and
 the same precision), the pairs' order rotating from run to run and precision to precision and each
 pair's alternating; a run's systems share its prompts. A pair's two workers load one after the
 other and stay loaded side by side (bench/stepped.py); then each row is measured by one and at once
-by the other, seconds apart, and the short rows (batch-1 decode, TTFT at 128 tokens, the batch)
-three times over, alternating, on fresh prompts each time. This machine's speed drifts by up to
+by the other, seconds apart, and the rows that time a request (batch-1 decode, TTFT at 128 and
+2,048 tokens, the batch) three times over, alternating, on fresh prompts each time. This machine's speed drifts by up to
 30% within a minute, and the two sides of a take see the same drift: a ratio is the median of the
 takes' own ratios over the runs (`paired_ratio`), not of the medians' ratio. A run:
 
@@ -40,8 +40,8 @@ takes' own ratios over the runs (`paired_ratio`), not of the medians' ratio. A r
   TTFT, 128 tokens    the median of five 128-token prompts, one new token each, one at a time, from
                       adding the request (`ttft_prompts`: the same prompts for every system of a
                       take; a lone first token of ~0.1 s moves by ±10% here)
-  TTFT, long prompt   two 2,048-token prompts, one new token each; the second is reported
-                      (the first, cold, is kept in the JSON)
+  TTFT, long prompt   a 2,048-token prompt, one new token, a take; the run's first take times
+                      one more before it, cold (kept in the JSON as `ttft_long_cold_ms`)
   decode, batch 16    16 requests of 128 + 128 at once (llmc: added together to one Engine with
                       its default scheduler; genai: one generator of batch 16); rate = tokens made
                       after every request has its first token ÷ the time from then to the last
@@ -130,7 +130,7 @@ class Sizes:
     long_prompt: int
     batch: int
     reps: int
-    takes: int  # of the short rows in a run (stepped.TAKEN_AGAIN)
+    takes: int  # of the rows that time a request, in a run (stepped.TAKEN_AGAIN)
 
 
 FULL = Sizes(prompt=128, new_tokens=128, long_prompt=2048, batch=16, reps=3, takes=3)
@@ -304,11 +304,14 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         return out
 
     def long(take: int) -> dict[str, Any]:
+        """The first long prompt of the run is timed cold as well (the runtime meets its shape)."""
         if not job.get("long_prompt"):
             return {}
-        cold = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
-        warm = runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1)
-        return {"ttft_long_cold_ms": _rates(*cold)["ttft_ms"], "ttft_long_ms": _rates(*warm)["ttft_ms"]}
+        out = {}
+        if take == 0:
+            out["ttft_long_cold_ms"] = _rates(*runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1))["ttft_ms"]
+        out["ttft_long_ms"] = _rates(*runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1))["ttft_ms"]
+        return out
 
     def ttft(take: int) -> dict[str, Any]:
         firsts = [_rates(*runner.generate([prompt], 1))["ttft_ms"]
@@ -417,8 +420,8 @@ def openvino_worker(python: Path, hint: str | None, job: dict[str, Any], vocab: 
     peer = {"model": job["path"], "hint": hint, "threads": job["threads"], "new_tokens": job["new_tokens"],
             "warmup": _prompts(rng, 1, job["prompt"], vocab)[0],
             "decode": [_prompts(rng, 1, job["prompt"], vocab)[0] for _ in takes]}
-    if job.get("long_prompt"):
-        peer["long"] = _prompts(rng, 2, job["long_prompt"], vocab)
+    if job.get("long_prompt"):  # the first take's first prompt is timed cold, as llmc's
+        peer["long"] = [_prompts(rng, 1 if take else 2, job["long_prompt"], vocab) for take in takes]
     if job.get("batch"):
         peer["batch"] = [_prompts(rng, job["batch"], job["prompt"], vocab) for _ in takes]
     peer["ttft"] = [ttft_prompts(job, vocab, take) for take in takes]

@@ -21,14 +21,14 @@ compute precision (bf16 on CPUs with avx512_bf16 or AMX) or ``job["hint"]`` as i
 INFERENCE_PRECISION_HINT ("f32" to compare like for like), and ``job["properties"]``' other CPU
 properties where a probe sets them (KV_CACHE_PRECISION, ...). Prompts are token ids (the caller
 tokenizes), greedy, EOS ignored (min_new_tokens = max_new_tokens). What a job may ask, each optional;
-decode, ttft and batch give their prompts for each take of the step (bench/stepped.py), a list:
+decode, long, ttft and batch give their prompts for each take of the step (bench/stepped.py), a list:
 
   decode     a prompt through `LLMPipeline.generate` (OpenVINO's own scheduler behind it: paged
              attention, whole prompt in one step, prefix caching) after a 4-token warm-up on
              ``warmup``; a streamer's calls time the tokens: ``ttft_ms`` from the call to the
              first token, ``decode_tok_s`` = the tokens after the first ÷ their time
-  long       prompts run one at a time for one token each: ``ttft_long_cold_ms`` (the first) and
-             ``ttft_long_ms`` (the last)
+  long       prompts run one at a time for one token each: ``ttft_long_cold_ms`` (the first
+             take's first) and ``ttft_long_ms`` (a take's last)
   ttft       a take's prompts run one at a time for one token each, through the same pipeline:
              ``ttft_ms`` becomes the median of their first tokens' times
   batch      a take's prompts added together to a `ContinuousBatchingPipeline` (SchedulerConfig's
@@ -269,9 +269,9 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
     def long(take: int) -> dict[str, Any]:
         out = {}
-        for n, prompt in enumerate(job.get("long", [])):
+        for n, prompt in enumerate(job["long"][take] if job.get("long") else []):
             start, times = _stream(og, ov, np, pipe, prompt, 1)
-            out["ttft_long_cold_ms" if n == 0 else "ttft_long_ms"] = round((times[0] - start) * 1e3, 2)
+            out["ttft_long_cold_ms" if take == 0 and n == 0 else "ttft_long_ms"] = round((times[0] - start) * 1e3, 2)
         return out
 
     def ttft(take: int) -> dict[str, Any]:
@@ -350,7 +350,7 @@ def jobs(checkpoint: Path, quick: bool, threads: int) -> dict[str, Any]:
     texts = source_prompts(checkpoint, [prompt, prompt, long_prompt, long_prompt] + [prompt] * batch
                            + [len(r.prompt) for r in requests], seed=0)
     return {"threads": threads, "new_tokens": new_tokens, "warmup": texts[0], "decode": [texts[1]],
-            "long": texts[2:4], "batch": [texts[4:4 + batch]],
+            "long": [texts[2:4]], "batch": [texts[4:4 + batch]],
             "workload": [{"prompt": text, "output_len": int(r.output_len), "arrival_s": float(r.arrival_s)}
                          for text, r in zip(texts[4 + batch:], requests)]}
 

@@ -8,8 +8,8 @@ interpreter and venv where it needs one): the first line on its stdin is its job
 names a step, and it answers each with one JSON line; only the step's own work runs while the
 other worker waits on its stdin.
 
-The short rows (one request's decode, the 128-token prompts, the batch) are each taken `takes`
-times, the workers alternating (A B A B ...), each take on fresh prompts: a ratio per take, a
+The rows that time a request (one request's decode, the long prompt, the 128-token prompts, the
+batch) are each taken `takes` times, the workers alternating (A B A B ...), each take on fresh prompts: a ratio per take, a
 second or two apart, rather than one per run. A take is its own set of figures.
 
 Standard library only: OpenVINO GenAI's worker imports it in a venv of its own.
@@ -26,7 +26,7 @@ from typing import Any, Callable
 # A run's steps, in order. A worker answers a step it has nothing for with {}; the ones that
 # drop state another needs (OpenVINO GenAI's batch frees its single-request pipeline) come last.
 STEPS = ("warmup", "decode", "texts", "long", "ttft", "batch", "done", "profile")
-TAKEN_AGAIN = ("decode", "ttft", "batch")  # the steps taken `takes` times
+TAKEN_AGAIN = ("decode", "long", "ttft", "batch")  # the steps taken `takes` times
 
 
 Step = Callable[[int], dict[str, Any]]  # a step's figures at its take (0, 1, ...: which prompts it uses)
