@@ -28,9 +28,10 @@ the same precision), the pairs' order rotating from run to run and precision to 
 pair's alternating; a run's systems share its prompts. A pair's two workers load one after the
 other and stay loaded side by side (bench/stepped.py); then each row is measured by one and at once
 by the other, seconds apart, and the rows that time a request (batch-1 decode, TTFT at 128 and
-2,048 tokens, the batch) three times over, alternating, on fresh prompts each time. This machine's speed drifts by up to
-30% within a minute, and the two sides of a take see the same drift: a ratio is the median of the
-takes' own ratios over the runs (`paired_ratio`), not of the medians' ratio. A run:
+2,048 tokens, the batch) three times over, alternating, on fresh prompts each time. This
+machine's speed drifts by up to 30% within a minute, and the two sides of a take see the same
+drift: a ratio is the median of the takes' own ratios over the runs (`paired_ratio`), not of the
+medians' ratio. A run:
 
   load + first token  from the top of the child process (its `import llmc` or
                       `import onnxruntime_genai` included) to the first token of a 16-token prompt
@@ -307,10 +308,12 @@ def start(job: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The first long prompt of the run is timed cold as well (the runtime meets its shape)."""
         if not job.get("long_prompt"):
             return {}
-        out = {}
-        if take == 0:
-            out["ttft_long_cold_ms"] = _rates(*runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1))["ttft_ms"]
-        out["ttft_long_ms"] = _rates(*runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1))["ttft_ms"]
+
+        def first_token_ms() -> float:
+            return _rates(*runner.generate(_prompts(rng, 1, job["long_prompt"], runner.vocab), 1))["ttft_ms"]
+
+        out = {"ttft_long_cold_ms": first_token_ms()} if take == 0 else {}
+        out["ttft_long_ms"] = first_token_ms()
         return out
 
     def ttft(take: int) -> dict[str, Any]:

@@ -9,8 +9,9 @@ names a step, and it answers each with one JSON line; only the step's own work r
 other worker waits on its stdin.
 
 The rows that time a request (one request's decode, the long prompt, the 128-token prompts, the
-batch) are each taken `takes` times, the workers alternating (A B A B ...), each take on fresh prompts: a ratio per take, a
-second or two apart, rather than one per run. A take is its own set of figures.
+batch) are each taken `takes` times, the workers alternating (A B A B ...), each take on fresh
+prompts: a ratio per take, a second or two apart, rather than one per run. A take is its own set
+of figures.
 
 Standard library only: OpenVINO GenAI's worker imports it in a venv of its own.
 """
