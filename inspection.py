@@ -58,12 +58,13 @@ class EngineInspection:
                  f"kv cache      {kv_cache_summary(manifest)}"]
         if manifest["backend"] == "openvino":  # the precision this machine gives it, picked at load
             from llmc.formats.manifest import parse_manifest
-            from llmc.runtime.backends.openvino import compute_precision, decode_model, weight_only
+            from llmc.runtime.backends.openvino import compute_precision, decode_model, f32_width, weight_only
 
             parsed = parse_manifest(manifest, str(self.path))
             precision, why = compute_precision(parsed)
             lines.append(f"compute       {why}")
-            lines.append(f"decode        {decode_model(precision, weight_only(parsed))[1]}")
+            decode = decode_model(precision, weight_only(parsed), f32_width=f32_width(parsed))[1]
+            lines.append(f"decode        {decode}")
         if manifest["backend"] != "tensorrt":  # a CPU engine's weights live on malloc's heap
             from llmc.runtime.huge_pages import summary
 

@@ -181,6 +181,15 @@ def parse_manifest(data: Any, where: str) -> Manifest:
     return dataclasses.replace(manifest, extra={k: v for k, v in data.items() if k not in known})
 
 
+def linears_in_fp32(manifest: Manifest) -> bool:
+    """Whether every linear layer of the engine computes in float32: no fp16, no quantized
+    weights, and not compiled for bf16 compute (which OpenVINO may give them)."""
+    precision = manifest.precision
+    if manifest.build_options.get("compute") == "bf16":
+        return False
+    return precision is None or (not precision.get("fp16") and set(precision.get("linears", {}).values()) <= {"fp32"})
+
+
 def kv_block_bytes(geometry: Geometry, block_size: int, kv_dtype: str) -> int:
     """Bytes one pool block takes: keys and values of `block_size` tokens in every layer."""
     itemsize = np.dtype(kv_dtype).itemsize

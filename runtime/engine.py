@@ -33,6 +33,7 @@ import numpy as np
 
 from llmc.errors import LlmcError
 from llmc.formats.engine_file import EngineFile, SectionCheck, read_engine
+from llmc.formats.manifest import linears_in_fp32
 from llmc.plugins.paged_attention import PagedBatch
 from llmc.runtime.backends.base import Backend, BackendOptions
 from llmc.runtime.backends.registry import entry_for, open_backend
@@ -53,13 +54,6 @@ log = logging.getLogger(__name__)
 # fp32, the decode rate against one token a step: up to 2 guesses 1.40×, 4 1.61×, 6 1.45×, 8 1.44×
 # (more guesses kept, but more dropped and dearer steps); bench/latency_bench.py measures the default.
 SPECULATIVE_TOKENS = 4
-
-
-def linears_in_fp32(manifest) -> bool:
-    precision = manifest.precision
-    if manifest.build_options.get("compute") == "bf16":  # OpenVINO may compute them in bf16
-        return False
-    return precision is None or (not precision.get("fp16") and set(precision.get("linears", {}).values()) <= {"fp32"})
 
 
 def default_speculative_tokens(manifest) -> int:

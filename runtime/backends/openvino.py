@@ -73,6 +73,19 @@ model runs every step (`BF16_DOUBLE_RATE_VENDORS`). Measured on 2 cores of an AM
 0.55-0.58x the time, 1,024-token ones 0.58-0.62x, 16 sequences' decode 1.4-1.6x the rate, one
 sequence's level.
 
+Under f32 compute the CPU plugin runs a product on MLAS where nothing is fused after it and on
+oneDNN's brgemm where something is (OpenVINO 2026.4's rule), and the two are not equally fast.
+Measured on 2 cores of an AMD EPYC, one product of 2,048 rows alone: from 2,048 inputs (to 256,
+2,048 or 5,632 outputs) oneDNN takes 0.77-0.83x MLAS's time, from 5,632 level; at one row, 1.2-1.3x.
+So a wide float32 engine there (`ONEDNN_PROMPTS`) runs its longer steps on a second model whose
+products are each followed by an identity clamp, which the plugin fuses (`products_on_onednn`),
+and steps of up to 16 tokens on the first, on MLAS. Measured on a 1B Llama f32 (width 2,048), the
+two models alternated in one process (5-9 pairs): prompts of 2,048, 128 and 32 tokens in 0.97x,
+0.955x and 0.96x the time, 16 sequences' decode step 0.94-0.99x, one sequence's 1.26x (which stays
+on MLAS). SmolLM2-135M (width 576) gained nothing (2,048- and 128-token prompts 1.01x and 0.99x),
+so narrower engines keep one model. The cost: the second model's repacked weights (the engine
+file's size again, resident), built only where memory holds three times the engine file.
+
 A weight-only quantized engine without AMX computes in f32 throughout, on one model, its cache in
 the engine's type (`compute_precision`): its int4 or int8 weights are read alike at either
 precision, and bf16 gained nothing (measured at int4, not int8; on the AMD EPYC too, 6 pairs of
@@ -104,6 +117,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -112,6 +126,7 @@ from onnx import helper, numpy_helper
 from llmc.errors import LlmcError
 from llmc.formats.cpu_features import cpu_flags, cpu_vendor, native_bf16
 from llmc.formats.engine_file import EngineFile, FileRange, bind_weights
+from llmc.formats.manifest import linears_in_fp32
 from llmc.plugins.paged_attention import OPENVINO_BLOCK_SIZE as BLOCK_SIZE
 from llmc.runtime.backends.base import BackendOptions, PoolPlacement
 from llmc.runtime.kv_cache import KvCache, available_memory
@@ -124,13 +139,16 @@ GRAPH_INPUTS = ("input_ids", "position_ids", "logits_rows")  # the segments' own
 LAYOUT_INPUTS = ("past_lens", "subsequence_begins", "block_indices", "block_indices_begins", "max_context_len")
 INPUT_TYPES = {**dict.fromkeys(GRAPH_INPUTS, np.int64), **dict.fromkeys(LAYOUT_INPUTS, np.int32)}
 # The kinds of decode model (`decode_model`); under F32_PROMPTS the decode model is the bf16 one
-# and the prompt model computes in f32.
-FUSED_MLP, F32_DECODES, F32_PROMPTS = "fused MLP", "f32", "f32 prompts"
+# and the prompt model computes in f32; under ONEDNN_PROMPTS both compute in f32, the prompt
+# model's products on oneDNN (`products_on_onednn`), the decode model's on MLAS.
+FUSED_MLP, F32_DECODES, F32_PROMPTS, ONEDNN_PROMPTS = "fused MLP", "f32", "f32 prompts", "oneDNN prompts"
 # The largest step each decode model runs, by where it was measured faster than the prompt model
 # (see above): the fused MLP at 1 and 16 tokens on every model measured; f32 at 1-32 tokens (a 1B
 # Llama int4: 0.66x, 0.65x, 0.78x the time at 1, 16, 32), level at 48, slower at 64; bf16 without
-# AMX at 1 token (0.74x), level at 8, slower at 16 sequences (1.04x) and 32 tokens (1.15x).
-DECODE_STEP_TOKENS = {FUSED_MLP: 16, F32_DECODES: 32, F32_PROMPTS: 8}
+# AMX at 1 token (0.74x), level at 8, slower at 16 sequences (1.04x) and 32 tokens (1.15x); MLAS
+# at 1-8 tokens (a 1B Llama f32: 0.80x, 0.86x, 0.90x the oneDNN model's time at 1, 4, 8), level
+# at 16 (1.02-1.06x), slower at 32 (1.02-1.04x).
+DECODE_STEP_TOKENS = {FUSED_MLP: 16, F32_DECODES: 32, F32_PROMPTS: 8, ONEDNN_PROMPTS: 16}
 # The compute precisions of the prompt model and the decode model where they differ, by kind: the
 # two share a u8 cache, the one type OpenVINO keeps under both.
 SPLIT_PRECISIONS = {F32_DECODES: ("bf16", "f32"), F32_PROMPTS: ("f32", "bf16")}
@@ -144,6 +162,11 @@ AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})
 # The makers whose AVX-512 computes bf16 products at twice the f32 rate (AMD's Zen 4 and 5), so
 # that without AMX prompts run faster in bf16 too (see the module's notes).
 BF16_DOUBLE_RATE_VENDORS = {"AuthenticAMD": "AMD"}  # vendor id -> the maker's name
+# Where f32 prompts gain from oneDNN's products (`ONEDNN_PROMPTS`): the makers measured (AMD's
+# EPYC; not measured on Intel's) and the least width (heads x head dim) measured gaining (2,048, a
+# 1B Llama; SmolLM2-135M's 576 was level).
+ONEDNN_PROMPT_VENDORS = BF16_DOUBLE_RATE_VENDORS
+ONEDNN_MIN_WIDTH = 2048
 # The pool's NumPy element type for each OpenVINO cache type (NumPy has no bf16: its bits as uint16).
 POOL_STORAGE = {"bf16": np.uint16, "f16": np.float16, "f32": np.float32, "u8": np.uint8}
 WEIGHT_ONLY = frozenset({"int4", "int8-weights"})  # the manifest's names of weight-only quantized linears
@@ -159,6 +182,13 @@ def weight_only(manifest) -> bool:
     int8): products that OpenVINO's CPU plugin computes faster at f32 on a decode."""
     linears = (manifest.precision or {}).get("linears") or {}
     return bool(linears) and set(linears.values()) <= WEIGHT_ONLY
+
+
+def f32_width(manifest) -> int:
+    """The width (heads x head dim) of the engine's products where its linear layers are all
+    float32, else 0: what `decode_model` weighs for `ONEDNN_PROMPTS`."""
+    geometry = manifest.geometry
+    return geometry.num_heads * geometry.head_dim if linears_in_fp32(manifest) else 0
 
 
 def compute_precision(manifest, flags: frozenset[str] | None = None) -> tuple[str, str]:
@@ -178,19 +208,30 @@ def compute_precision(manifest, flags: frozenset[str] | None = None) -> tuple[st
     return "bf16", f"bf16 compute (--bf16; this CPU has {', '.join(native)})"
 
 
-def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None = None,
-                 threads: int | None = None, vendor: str | None = None) -> tuple[str | None, str]:
+def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None = None, threads: int | None = None,
+                 vendor: str | None = None, f32_width: int = 0) -> tuple[str | None, str]:
     """(kind, why): which second model decode steps run on, `FUSED_MLP`, `F32_DECODES`,
-    `F32_PROMPTS` or None (one model for every step); `why` in words for `llmc inspect`. All need
-    bf16 compute. With AMX: the fused MLP needs float weights and 2 threads or more (OpenVINO 2026.4
-    fails compiling it for one thread with a floating-point exception); weight-only quantized
-    products decode faster at f32 (`quantized`). Without AMX, bf16 products run on AVX-512: on
-    Intel's, faster than f32 on a decode (half the weight bytes) and slower on a prompt, so prompts
-    go to an f32 model; on AMD's (`vendor`), faster on both, so one bf16 model runs every step.
-    `threads` None: not known yet; `flags` and `vendor` None: this machine's."""
+    `F32_PROMPTS`, `ONEDNN_PROMPTS` or None (one model for every step); `why` in words for `llmc
+    inspect`. Under bf16 compute, with AMX: the fused MLP needs float weights and 2 threads or more
+    (OpenVINO 2026.4 fails compiling it for one thread with a floating-point exception); weight-only
+    quantized products decode faster at f32 (`quantized`). Without AMX, bf16 products run on
+    AVX-512: on Intel's, faster than f32 on a decode (half the weight bytes) and slower on a prompt,
+    so prompts go to an f32 model; on AMD's (`vendor`), faster on both, so one bf16 model runs every
+    step. Under f32 compute, an engine whose linear layers are all float32, `f32_width` wide (heads x
+    head dim; 0 where they are not all float32), runs its prompts on oneDNN's products where that was
+    measured faster (`ONEDNN_PROMPT_VENDORS`, `ONEDNN_MIN_WIDTH`). `threads` None: not known yet;
+    `flags` and `vendor` None: this machine's."""
     flags = cpu_flags() if flags is None else flags
     if precision != "bf16":
-        return None, "one model for every step (a decode model needs bf16 compute)"
+        vendor = (cpu_vendor() if vendor is None else vendor) if f32_width >= ONEDNN_MIN_WIDTH else None
+        if vendor in ONEDNN_PROMPT_VENDORS:
+            return ONEDNN_PROMPTS, (f"steps of up to {DECODE_STEP_TOKENS[ONEDNN_PROMPTS]} tokens on MLAS's f32 "
+                                    "products, longer ones on a second model whose products run on oneDNN's (faster "
+                                    f"there on this {ONEDNN_PROMPT_VENDORS[vendor]} CPU from {ONEDNN_MIN_WIDTH:,} "
+                                    "wide), where memory holds three times the engine file at load; off with "
+                                    "--no-decode-model")
+        return None, ("one model for every step (a decode model needs bf16 compute, or float32 linear layers "
+                      f"{ONEDNN_MIN_WIDTH:,} wide or more on an AMD CPU)")
     if not AMX_FLAGS <= flags:
         vendor = cpu_vendor() if vendor is None else vendor
         if vendor in BF16_DOUBLE_RATE_VENDORS:
@@ -211,6 +252,37 @@ def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None =
                        f"fused MLP, up to {FUSED_MLP_TRIALS[-1]} where timed faster at load (this CPU has AMX; with "
                        "2 threads or more, where memory and disk hold twice and once its weights' float32 bytes at "
                        "load; off with --no-decode-model); longer prompts on the first")
+
+
+def products_on_onednn(model) -> Callable[[], None]:
+    """Follow every product of `model` with a float32 weight, the logits' excepted, by
+    Clamp(-inf, inf), in place; returns what takes the clamps out again. The CPU plugin runs an f32
+    product on MLAS where nothing is fused after it and on oneDNN's brgemm where something is: the
+    clamp, an identity, is fused as that something. The logits' product keeps MLAS: a prompt's
+    logits are one row a sequence, where MLAS is the faster."""
+    import openvino.opset13 as ops
+
+    logits = model.output("logits").get_node().input_value(0).get_node()
+    while logits.get_type_name() != "MatMul" and logits.get_input_size():
+        logits = logits.input_value(0).get_node()
+    clamps = []
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "MatMul" or node is logits:
+            continue
+        weight = node.input_value(1).get_node()
+        if weight.get_type_name() != "Constant" or weight.get_output_element_type(0).get_type_name() != "f32":
+            continue
+        readers = list(node.output(0).get_target_inputs())
+        clamp = ops.clamp(node.output(0), float("-inf"), float("inf"))
+        for reader in readers:
+            reader.replace_source_output(clamp.output(0))
+        clamps.append(clamp)
+
+    def restore() -> None:
+        for clamp in clamps:
+            for reader in list(clamp.output(0).get_target_inputs()):
+                reader.replace_source_output(clamp.input_value(0))
+    return restore
 
 
 def weights_transposed(model, folder: Path, room: int | None = None) -> tuple[mmap.mmap | None, str | None]:
@@ -496,9 +568,10 @@ class OpenVinoBackend:
             raise LlmcError(f"{engine.path}: block size {paged.block_size}; OpenVINO's CPU paged attention keeps "
                             f"blocks of {BLOCK_SIZE} (recompile with --backend openvino)")
         self.precision, _ = compute_precision(manifest)
-        kind = decode_model(self.precision, weight_only(manifest))[0] if options.decode_model else None
-        if kind in SPLIT_PRECISIONS:
-            kind = self._room_for_two_precisions(engine, kind)
+        kind = (decode_model(self.precision, weight_only(manifest), f32_width=f32_width(manifest))[0]
+                if options.decode_model else None)
+        if kind in SPLIT_PRECISIONS or kind == ONEDNN_PROMPTS:
+            kind = self._room_for_second_model(engine, kind)
         # Under bf16 compute OpenVINO keeps the cache in bf16 whatever it is asked, except u8, which it
         # also keeps under f32, in the same layout: the cache a bf16 and an f32 model share. Under f32
         # alone, in the engine's type (float16 with --kv-cache-dtype fp16, or from a float16 export).
@@ -513,7 +586,10 @@ class OpenVinoBackend:
             config["INFERENCE_NUM_THREADS"] = options.threads
         core = ov.Core()
         model = paged_model(engine)
+        restore = products_on_onednn(model) if kind == ONEDNN_PROMPTS else None
         compiled = _compiled(core, model, config, engine)
+        if restore is not None:
+            restore()  # the decode model's products stay on MLAS
         given = {put.get_element_type() for put in compiled.inputs if "_cache." in put.get_any_name()}
         if given != {self.cache_type}:  # a pool of another type would be read as garbage
             raise LlmcError(f"{engine.path}: OpenVINO gave the KV cache {', '.join(map(str, given))}, not {cache}")
@@ -539,6 +615,8 @@ class OpenVinoBackend:
         compile_model compiled a copy of `model`: it may be rewritten here."""
         if kind == FUSED_MLP:
             kind, _ = decode_model(self.precision, False, threads=int(compiled.get_property("INFERENCE_NUM_THREADS")))
+        if kind == ONEDNN_PROMPTS:
+            return _compiled(core, model, config, engine)
         if kind in SPLIT_PRECISIONS:
             second = _compiled(core, model, {**config, "INFERENCE_PRECISION_HINT": SPLIT_PRECISIONS[kind][1]}, engine)
             if cache_block_shapes(second) != cache_block_shapes(compiled):
@@ -557,16 +635,18 @@ class OpenVinoBackend:
         return None if self.transposed_weights is None else _compiled(core, model, config, engine)
 
     @staticmethod
-    def _room_for_two_precisions(engine: EngineFile, kind: str) -> str | None:
-        """`kind` (one of `SPLIT_PRECISIONS`) where the memory available holds three times the
-        engine file (two compiled models of its weights, and room for the pool), else None, with a
-        warning."""
+    def _room_for_second_model(engine: EngineFile, kind: str) -> str | None:
+        """`kind` (one of `SPLIT_PRECISIONS` or `ONEDNN_PROMPTS`) where the memory available holds
+        three times the engine file (two compiled models of its weights, and room for the pool),
+        else None, with a warning."""
         available, size = available_memory(), engine.path.stat().st_size
         if available is None or 3 * size <= available:
             return kind
-        log.warning("%s: %s, in bf16: the %.1f GiB of memory available hold less than three times the engine "
-                    "file's %.1f GiB", engine.path, "decodes run on the prompt model" if kind == F32_DECODES
-                    else "prompts run on the decode model", available / 2**30, size / 2**30)
+        instead = {F32_DECODES: "decodes run on the prompt model, in bf16",
+                   F32_PROMPTS: "prompts run on the decode model, in bf16",
+                   ONEDNN_PROMPTS: "prompts run on the decode model, on MLAS's products"}[kind]
+        log.warning("%s: %s: the %.1f GiB of memory available hold less than three times the engine file's %.1f GiB",
+                    engine.path, instead, available / 2**30, size / 2**30)
         return None
 
     def attach(self, kv: KvCache) -> None:
@@ -681,4 +761,5 @@ def deploy_checks(manifest, record) -> None:
     """The compute precision this machine gives the engine, and whether its decodes get a model of their own."""
     precision, why = compute_precision(manifest)
     record("compute precision", True, why)
-    record("decode model", True, decode_model(precision, weight_only(manifest))[1])
+    why = decode_model(precision, weight_only(manifest), f32_width=f32_width(manifest))[1]
+    record("decode model", True, why)

@@ -27,7 +27,8 @@ from llmc.precision.calibration import prefill_feeds
 from llmc.precision.plan import PrecisionOptions
 from llmc.runtime.backends.base import BackendOptions
 from llmc.runtime.backends.openvino import (BLOCK_SIZE, DECODE_STEP_TOKENS, F32_DECODES, F32_PROMPTS, FUSED_MLP,
-                                            FUSED_MLP_TRIALS, compute_precision, decode_model, fused_mlp_step_limit,
+                                            FUSED_MLP_TRIALS, ONEDNN_MIN_WIDTH, ONEDNN_PROMPTS, compute_precision,
+                                            decode_model, f32_width, fused_mlp_step_limit, products_on_onednn,
                                             weight_only, weights_transposed)
 from llmc.runtime.backends.registry import open_backend
 from llmc.runtime.engine import Engine
@@ -246,7 +247,8 @@ def test_a_second_model_of_a_kind_picked_by_the_cpu_only_under_bf16(engines):
     assert decode_model("bf16", True, amx, threads=1)[0] == F32_DECODES
     for quantized in (False, True):
         assert decode_model("f32", quantized, amx) == (None, "one model for every step (a decode model needs bf16 "
-                                                             "compute)")
+                                                             "compute, or float32 linear layers 2,048 wide or more on "
+                                                             "an AMD CPU)")
     # without AMX (float weights: a quantized engine computes in f32 there): on Intel's AVX-512,
     # decodes in bf16 and prompts on an f32 model, over a shared u8 cache; on AMD's, one bf16 model
     no_amx = frozenset({"avx512_bf16"})
@@ -258,9 +260,96 @@ def test_a_second_model_of_a_kind_picked_by_the_cpu_only_under_bf16(engines):
     assert decode_model("bf16", False, amx, vendor="AuthenticAMD")[0] == FUSED_MLP  # AMX decides first
     assert decode_model("f32", False, no_amx, vendor="AuthenticAMD")[0] is None
     text = inspect(engines["f32"]).text()
-    assert "decode        one model for every step (a decode model needs bf16 compute)" in text
+    assert "decode        one model for every step (a decode model needs bf16 compute, or float32" in text
     assert _backend(engines["f32"]).small_request is None
     assert not weight_only(read_engine(engines["f32"]).manifest)
+
+
+def test_wide_float32_engines_run_prompts_on_onednn_where_measured_faster(engines):
+    """f32 compute, every linear float32, 2,048 wide or more, on AMD's CPUs (the maker measured):
+    prompts on a model whose products run on oneDNN, AMX or not; nowhere else."""
+    amx, no_amx = frozenset({"avx512_bf16", "amx_bf16", "amx_tile"}), frozenset({"avx512_bf16"})
+    for flags in (amx, no_amx, frozenset()):
+        assert decode_model("f32", False, flags, vendor="AuthenticAMD", f32_width=ONEDNN_MIN_WIDTH)[0] == ONEDNN_PROMPTS
+    assert decode_model("f32", False, no_amx, vendor="GenuineIntel", f32_width=ONEDNN_MIN_WIDTH)[0] is None
+    assert decode_model("f32", False, no_amx, vendor="AuthenticAMD", f32_width=ONEDNN_MIN_WIDTH - 1)[0] is None
+    assert decode_model("bf16", False, no_amx, vendor="AuthenticAMD", f32_width=ONEDNN_MIN_WIDTH)[0] is None
+    geometry = read_engine(engines["f32"]).manifest.geometry
+    assert f32_width(read_engine(engines["f32"]).manifest) == geometry.num_heads * geometry.head_dim > 0
+    if BF16_ON_HERE:  # quantized, or compiled for bf16 compute: not every product an f32 one
+        for name in ("int4-bf16", "bf16"):
+            assert f32_width(read_engine(engines[name]).manifest) == 0
+
+
+def test_products_on_onednn_compute_the_same_on_onednn_and_the_restored_graph_on_mlas():
+    """A product followed by a clamp runs on oneDNN, the logits' product and the restored graph on
+    MLAS (the CPU plugin's rule this relies on: where OpenVINO changes it, this fails), and the
+    outputs stay the float rounding apart."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    rng = np.random.default_rng(0)
+    x = ops.parameter([1, -1, 64], ov.Type.f32, name="x")
+    hidden = ops.matmul(x, ops.constant(rng.standard_normal((64, 256)).astype(np.float32)), False, False)
+    logits = ops.matmul(hidden, ops.constant(rng.standard_normal((256, 32)).astype(np.float32)), False, False)
+    logits.output(0).get_tensor().set_names({"logits"})
+    model = ov.Model([logits], [x])
+    core, config = ov.Core(), {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": 1, "PERF_COUNT": True}
+    feeds = {"x": rng.standard_normal((1, 96, 64)).astype(np.float32)}
+
+    def run():
+        request = core.compile_model(model, "CPU", config).create_infer_request()
+        out = request.infer(feeds)[0]
+        kernels = [info.exec_type for info in request.get_profiling_info() if info.node_type == "FullyConnected"]
+        return out, kernels, sorted(node.get_type_name() for node in model.get_ordered_ops())
+
+    plain, plain_kernels, plain_ops = run()
+    restore = products_on_onednn(model)
+    clamped, clamped_kernels, clamped_ops = run()
+    assert clamped_ops == sorted(plain_ops + ["Clamp"])  # one clamp: the logits' product has none
+    assert [kernel.startswith("gemm_mlas") for kernel in plain_kernels] == [True, True]
+    assert [kernel.startswith("gemm_mlas") for kernel in clamped_kernels] == [False, True]
+    np.testing.assert_allclose(clamped, plain, rtol=1e-5, atol=1e-4)
+    restore()
+    restored, restored_kernels, restored_ops = run()
+    assert restored_ops == plain_ops and restored_kernels == plain_kernels
+    np.testing.assert_array_equal(restored, plain)
+
+
+def test_a_wide_float32_engine_runs_long_steps_on_onednn_and_decodes_on_mlas(engines, reference, monkeypatch,
+                                                                             caplog):
+    """The test model made wide enough and the CPU AMD's (faked where it is another): steps of up
+    to 16 tokens on the first model's MLAS products, longer ones on the second's oneDNN ones, both
+    near the unmodified graph over one f32 pool; where memory holds less than three engine files,
+    one model, said once."""
+    from llmc.runtime.backends import openvino as backend_module
+
+    monkeypatch.setattr(backend_module, "ONEDNN_MIN_WIDTH", 1)
+    monkeypatch.setattr(backend_module, "cpu_vendor", lambda: "AuthenticAMD")
+    path = engines["f32"]
+    assert "decode        steps of up to 16 tokens on MLAS's f32 products, longer ones on a second model whose " \
+           "products run on oneDNN's (faster there on this AMD CPU from 1 wide)" in inspect(path).text()
+    backend = _backend(path)
+    assert backend.small_request is not None and backend.kv.pool.dtype == np.float32
+    assert backend.decode_step_tokens == DECODE_STEP_TOKENS[ONEDNN_PROMPTS] == 16
+    ran, infer = [], backend._infer
+    backend._infer = lambda request, plan: ran.append(request) or infer(request, plan)
+    ids = _ids(path, 48)
+    assert len(ids) == 48
+    blocks = np.arange(2, 4)[None]
+    for first, tokens, model in ((0, 30, backend.request), (30, 16, backend.small_request),
+                                 (46, 2, backend.small_request)):
+        ran.clear()
+        logits = backend.run(StepPlan(PACKED, np.array(ids[first:first + tokens]), np.arange(first, first + tokens),
+                                      PagedBatch(blocks, np.array([first]), np.array([0, tokens])), np.arange(tokens)))
+        assert ran == [model]
+        np.testing.assert_allclose(logits, reference(ids[:first + tokens])[first:], atol=F32_TOLERANCE)
+    monkeypatch.setattr(backend_module, "available_memory", lambda: 2 ** 20)
+    with caplog.at_level("WARNING", logger=backend_module.__name__):
+        short = _backend(path)
+    assert short.small_request is None
+    [record] = caplog.records
+    assert record.getMessage().startswith(f"{path}: prompts run on the decode model, on MLAS's products: the 0.0 GiB")
 
 
 def test_weights_transposed_leaves_every_product_as_it_was(tmp_path):
@@ -544,7 +633,7 @@ def test_without_amx_an_int4_bf16_engine_computes_in_f32_on_one_model(engines, r
     path = engines["int4-bf16"]
     text = inspect(path).text()
     assert "compute       fp32 compute: compiled with --bf16, but without AMX weight-only quantized" in text
-    assert "decode        one model for every step (a decode model needs bf16 compute)" in text
+    assert "decode        one model for every step (a decode model needs bf16 compute, or float32" in text
     backend = _backend(path)
     assert backend.small_request is None and backend.kv.pool.dtype == np.float32
     assert backend.request.get_compiled_model().get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
