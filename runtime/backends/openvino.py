@@ -254,12 +254,13 @@ def decode_model(precision: str, quantized: bool, flags: frozenset[str] | None =
                        "load; off with --no-decode-model); longer prompts on the first")
 
 
-def products_on_onednn(model) -> Callable[[], None]:
+def products_on_onednn(model) -> Callable[[], None] | None:
     """Follow every product of `model` with a float32 weight, the logits' excepted, by
-    Clamp(-inf, inf), in place; returns what takes the clamps out again. The CPU plugin runs an f32
-    product on MLAS where nothing is fused after it and on oneDNN's brgemm where something is: the
-    clamp, an identity, is fused as that something. The logits' product keeps MLAS: a prompt's
-    logits are one row a sequence, where MLAS is the faster."""
+    Clamp(-inf, inf), in place; returns what takes the clamps out again, or None where no product
+    has such a weight (a float16 export's: a second model would be the first again). The CPU
+    plugin runs an f32 product on MLAS where nothing is fused after it and on oneDNN's brgemm where
+    something is: the clamp, an identity, is fused as that something. The logits' product keeps
+    MLAS: a prompt's logits are one row a sequence, where MLAS is the faster."""
     import openvino.opset13 as ops
 
     logits = model.output("logits").get_node().input_value(0).get_node()
@@ -277,6 +278,8 @@ def products_on_onednn(model) -> Callable[[], None]:
         for reader in readers:
             reader.replace_source_output(clamp.output(0))
         clamps.append(clamp)
+    if not clamps:
+        return None
 
     def restore() -> None:
         for clamp in clamps:
@@ -587,6 +590,8 @@ class OpenVinoBackend:
         core = ov.Core()
         model = paged_model(engine)
         restore = products_on_onednn(model) if kind == ONEDNN_PROMPTS else None
+        if restore is None and kind == ONEDNN_PROMPTS:
+            kind = None
         compiled = _compiled(core, model, config, engine)
         if restore is not None:
             restore()  # the decode model's products stay on MLAS

@@ -314,6 +314,9 @@ def test_products_on_onednn_compute_the_same_on_onednn_and_the_restored_graph_on
     restored, restored_kernels, restored_ops = run()
     assert restored_ops == plain_ops and restored_kernels == plain_kernels
     np.testing.assert_array_equal(restored, plain)
+    lone_logits = ops.matmul(x, ops.constant(rng.standard_normal((64, 32)).astype(np.float32)), False, False)
+    lone_logits.output(0).get_tensor().set_names({"logits"})
+    assert products_on_onednn(ov.Model([lone_logits], [x])) is None  # nothing to move: no second model
 
 
 def test_a_wide_float32_engine_runs_long_steps_on_onednn_and_decodes_on_mlas(engines, reference, monkeypatch,
