@@ -50,6 +50,7 @@ from llmc.passes.attention_3d_layout import Attention3dLayout
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.contrib_ops import DOMAIN as CONTRIB_DOMAIN
 from llmc.passes.graph import DEFAULT_DOMAINS, Graph, attr
+from llmc.passes.logit_rows import hoist_logit_rows
 from llmc.plugins.paged_attention import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, DOMAIN
 from llmc.plugins.paged_attention_onnx import METADATA_INPUTS, paged_attention_node
 
@@ -125,6 +126,7 @@ class LowerPagedAttention(Pass):
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
         drop_stale_inputs(model, stale_inputs(inputs), "paged lowering", "the paged interface")
+        hoist_logit_rows(model)
         windowed = sum(1 for w in windows if w)
         report = f"block size {self.block_size}, {layers} layers" + (
             f", {windowed} with a sliding window ({', '.join(str(w) for w in sorted(set(windows) - {0}))})"

@@ -64,6 +64,7 @@ from llmc.formats.onnx_io import tensor_array
 from llmc.passes import contrib_ops
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.graph import Graph, attr
+from llmc.passes.logit_rows import hoist_logit_rows
 from llmc.passes.lower_paged_attention import attentions_by_layer, drop_stale_inputs, select_logit_rows, stale_inputs
 
 STAGE = "single-sequence lowering"
@@ -186,6 +187,7 @@ class LowerSingleSequence(Pass):
         model.graph.input.extend(new_inputs)
         del model.graph.output[:]
         model.graph.output.extend(outputs)
+        hoist_logit_rows(model)  # by the optimized graph's shapes, before they go
         del model.graph.value_info[:]  # the interface's shapes changed; the check infers them again
         if not any(o.domain == contrib_ops.DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(contrib_ops.DOMAIN, 1))

@@ -172,12 +172,24 @@ def test_only_the_rows_asked_for_are_projected_to_logits_and_they_are_the_same(t
     assert result.exit_code == 0, result.output
     engine = read_engine(engine_path)
     paged = engine.manifest.paged
-    for section in (paged.single_sequence, paged.segments[-1].section):
-        graph = onnx.ModelProto.FromString(bytes(engine.sections[section])).graph
-        projection = next(n for n in graph.node if "logits_hidden" in n.input)  # the vocabulary projection
-        assert projection.op_type in ("MatMul", "MatMulNBits"), section
-        assert all(n.op_type != "Gather" or "logits_rows" not in n.input or n.output[0] == "logits_hidden"
-                   for n in graph.node), section
+    graph = lambda section: onnx.ModelProto.FromString(bytes(engine.sections[section])).graph  # noqa: E731
+    segments = [graph(segment.section) for segment in paged.segments]
+    single = graph(paged.single_sequence)
+    last_attention = max(i for i, n in enumerate(single.node) if n.op_type == "GroupQueryAttention")
+    # Past the last attention (the paged graph's last segment starts after it) every product reads
+    # rows gathered from a value before it: the last layer's output projection and MLP compute only
+    # the rows asked for, not every token.
+    for nodes, after in (([n for s in segments for n in s.node], segments[-1].node), (single.node, single.node[last_attention + 1:])):
+        producers = {out: n for n in nodes for out in n.output}
+        products = [n for n in after if n.op_type in ("MatMul", "MatMulNBits")]
+        assert len(products) >= 4  # output projection, MLP, vocabulary
+        assert products[-1].input[0] == "logits_hidden"  # the vocabulary projection
+        for product in products:
+            value = product.input[0]
+            while not (producers[value].op_type == "Gather" and "logits_rows" in producers[value].input):
+                assert producers[value].op_type not in ("GroupQueryAttention", "Reshape"), product.name
+                value = producers[value].input[0]
+                assert value in producers, product.name  # the attention's output, ungathered
     ids = np.random.default_rng(0).integers(0, engine.manifest.geometry.vocab_size, 40)
     batch = PagedBatch(np.arange(3)[None], np.zeros(1, np.int64), np.array([0, len(ids)]))
     for single_sequence in (True, False):
