@@ -29,7 +29,7 @@ from llmc.passes.graph import DEFAULT_DOMAINS, Graph, attr, toposort
 
 ROWS = "logits_rows"
 TOKEN_AXIS = 1  # of [1, tokens, ...] values: the packed step's tokens
-PACKED_SHAPE = [1, -1, 0]  # [sequences, tokens each, n] to the packed [1, tokens, n]
+PACKING = [1, -1, 0]  # the Reshape shape from [sequences, tokens each, n] to the packed [1, tokens, n]
 # Ops that compute each row from the same rows of their inputs, by domain: elementwise ones
 # (broadcasting), products by a weight, normalizations and splits over the last axis.
 ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Sigmoid", "Tanh", "Relu", "Erf", "Cast", "Neg",
@@ -93,7 +93,7 @@ def _gather_chain(graph: Graph, name: str, gather: onnx.NodeProto) -> list[onnx.
     if (reshape is not None and reshape.op_type == "Reshape" and reshape.domain in DEFAULT_DOMAINS
             and graph.consumers[name] == [gather] and name not in graph.outputs):
         shape = graph.constant(reshape.input[1])
-        if shape is not None and shape.tolist() == PACKED_SHAPE:
+        if shape is not None and shape.tolist() == PACKING:
             return [reshape, gather]
     return [gather]
 

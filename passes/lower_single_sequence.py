@@ -64,14 +64,14 @@ from llmc.formats.onnx_io import tensor_array
 from llmc.passes import contrib_ops
 from llmc.passes.base import Pass, PassResult
 from llmc.passes.graph import Graph, attr
-from llmc.passes.logit_rows import hoist_logit_rows
+from llmc.passes.logit_rows import PACKING, hoist_logit_rows
 from llmc.passes.lower_paged_attention import attentions_by_layer, drop_stale_inputs, select_logit_rows, stale_inputs
 
 STAGE = "single-sequence lowering"
 # The step's tokens sequence by sequence: [sequences, -1] for the token inputs where the whole step
 # runs so, else [sequences, -1, 0] for each attention op's inputs.
 SEQUENCES_SHAPE = "single.sequences_shape"
-PACKED_SHAPE = "single.packed_shape"  # [1, -1, 0]: back to the step's tokens packed
+PACKED_SHAPE = "single.packed_shape"  # PACKING: back to the step's tokens packed
 
 
 class LowerSingleSequence(Pass):
@@ -161,7 +161,7 @@ class LowerSingleSequence(Pass):
         nodes[:0] = shapes
         model.graph.initializer.extend(numpy_helper.from_array(np.array(value, np.int64), name) for name, value in
                                        (("single.tokens_width", [-1] if whole_step else [-1, 0]),
-                                        (PACKED_SHAPE, [1, -1, 0])))
+                                        (PACKED_SHAPE, PACKING)))
         del model.graph.node[:]
         model.graph.node.extend(nodes)
         rows = select_logit_rows(Graph(model))
